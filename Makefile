@@ -1,0 +1,69 @@
+# One entry point for every task. Each target installs what it needs first and is
+# safe to re-run; stamps under .stamps/ make a second run fast when nothing changed.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+
+VENV     := .venv
+PY       := $(VENV)/bin/python
+XLA_VENV := .venv-xla
+XLA_PY   := $(XLA_VENV)/bin/python
+STAMPS   := .stamps
+CDK      := npx --no-install cdk
+
+.PHONY: help setup setup-xla synth audit demo test test-platform test-xla lint clean
+
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+
+setup: $(STAMPS)/venv $(STAMPS)/npm $(STAMPS)/system ## install everything (Python venv, CDK CLI, Slurm/munge/shellcheck)
+
+$(STAMPS)/venv: requirements.txt training/requirements-gpu.txt
+	@mkdir -p $(STAMPS)
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	@touch $@
+
+$(STAMPS)/npm: package.json package-lock.json
+	@mkdir -p $(STAMPS)
+	npm ci --no-audit --no-fund --loglevel=error
+	@touch $@
+
+$(STAMPS)/system: scripts/install-system-packages.sh
+	@mkdir -p $(STAMPS)
+	bash scripts/install-system-packages.sh
+	@touch $@
+
+setup-xla: $(STAMPS)/venv-xla ## build .venv-xla (torch 2.9 + torch-xla 2.9, CPU PJRT) for the Trainium tests
+
+$(STAMPS)/venv-xla: training/requirements-xla-test.txt training/requirements-neuron.txt
+	@mkdir -p $(STAMPS)
+	@test -x $(XLA_PY) || python3 -m venv $(XLA_VENV)
+	$(XLA_PY) -m pip install --quiet --upgrade pip
+	$(XLA_PY) -m pip install --quiet -r training/requirements-xla-test.txt
+	@touch $@
+
+synth: setup ## cdk synth through the real CLI into cdk.out/ (offline, no credentials)
+	$(CDK) synth --quiet --output cdk.out
+
+audit: synth ## print cdk-nag (AWS Solutions + HIPAA) and cfn-lint findings; fail on any open one
+	$(PY) -m stacks.audit cdk.out
+
+demo: audit ## the main job locally: audit, then precompute + train + resume + export + bench + report on CPU
+	$(PY) -m training.demo --out demo-output
+
+test: test-platform test-xla ## the whole test suite (what CI runs)
+
+test-platform: setup
+	$(PY) -m pytest tests --ignore=tests/xla
+
+test-xla: setup setup-xla
+	$(XLA_PY) -m pytest tests/xla
+
+lint: setup ## ruff + shellcheck
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/shellcheck lifecycle_scripts/*.sh training/slurm/*.sh training/slurm/*.sbatch scripts/*.sh .ci/run
+
+clean: ## remove build outputs (keeps the virtual envs)
+	rm -rf cdk.out demo-output .pytest_cache

@@ -1,0 +1,1 @@
+"""Sana training package: one loop, one objective, two backends (GPU and Trainium)."""

@@ -1,0 +1,141 @@
+"""The seam between the shared training loop and an accelerator.
+
+The loop (training/loop.py) never asks which backend it runs on; everything that
+differs between CUDA/CPU (torch.distributed) and Trainium (torch-xla) lives behind
+this interface. A feature a backend does not have is a no-op (``nullcontext()``
+for autocast, an immediate call for ``on_host``), never an ``if xla:`` in the loop.
+
+All state dicts crossing this seam are *full, unsharded, CPU* tensors keyed by the
+unwrapped model's parameter names, so a checkpoint written by one backend resumes
+under the other (training/checkpoint.py stores them as they come).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+
+
+class Backend(abc.ABC):
+    """One accelerator family. Lifecycle: ``init()`` once, use, ``close()`` once."""
+
+    #: short name written to logs, checkpoints and bench JSON ("gpu", "trainium")
+    name: str
+    device: torch.device
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """True on the one process that writes files (rank 0)."""
+        return self.rank == 0
+
+    # ----- lifecycle -------------------------------------------------------
+    @abc.abstractmethod
+    def init(self) -> None:
+        """Join the process group (torchrun env: RANK, WORLD_SIZE, LOCAL_RANK) and pick the device."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Leave the process group. Safe to call after a failed ``init``."""
+
+    # ----- model and optimizer --------------------------------------------
+    @abc.abstractmethod
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Move to the device, cast for the precision mode and wrap for data parallelism.
+
+        Returns the module the loop calls forward on; ``unwrap(prepared)`` gives back
+        the plain model whose ``state_dict`` keys the checkpoints use.
+        """
+
+    @abc.abstractmethod
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The plain model inside whatever ``prepare_model`` wrapped it in."""
+
+    @abc.abstractmethod
+    def build_optimizer(self, model: nn.Module, make: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+                        ) -> torch.optim.Optimizer:
+        """Build the optimizer over ``model``'s parameters with ``make`` (e.g. AdamW with the
+        configured hyper-parameters); a backend may wrap it (ZeRO-1 on Trainium)."""
+
+    # ----- the step ---------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Precision context for forward (bf16 autocast, or ``nullcontext``)."""
+        return contextlib.nullcontext()
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Context for micro-batches that must not all-reduce yet (grad accumulation)."""
+        return contextlib.nullcontext()
+
+    @abc.abstractmethod
+    def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """Host batches -> device batches (pinned async copy on CUDA, MpDeviceLoader on XLA)."""
+
+    @abc.abstractmethod
+    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
+                      ) -> torch.Tensor:
+        """Reduce gradients across ranks where the wrapper has not, clip to ``max_norm``
+        (0 = no clipping) and step the optimizer. Returns the pre-clip global grad norm as a
+        *device* tensor: reading it is the caller's choice (see ``on_host``)."""
+
+    def sync(self) -> None:
+        """End of an optimizer step: XLA cuts and launches the graph here; eager backends do nothing."""
+
+    def on_host(self, fn: Callable[..., None], *tensors: torch.Tensor) -> None:
+        """Call ``fn`` with these tensors as Python floats, without stalling the device.
+
+        Eager backends call it now. XLA defers it with ``xm.add_step_closure`` so the values
+        are read after the step's graph ran: no host transfer inside the step.
+        """
+        fn(*(float(t.detach().float().cpu()) for t in tensors))
+
+    # ----- collectives / state ----------------------------------------------
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Every rank reaches this point before any continues (``xm.rendezvous`` on XLA)."""
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (small Python objects: a resume path, a step)."""
+
+    @abc.abstractmethod
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full CPU state dict of the unwrapped model. Collective: call on every rank."""
+
+    @abc.abstractmethod
+    def load_model_state_dict(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        """Load a full CPU state dict into the prepared model on every rank."""
+
+    @abc.abstractmethod
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Full, unsharded CPU optimizer state keyed by parameter *name* (portable across
+        backends and world sizes). Collective: call on every rank."""
+
+    @abc.abstractmethod
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: Mapping[str, Any]) -> None:
+        """Inverse of ``optimizer_state_dict``; each rank keeps only its shard if sharded."""
+
+    def rng_state(self) -> dict[str, Any]:
+        """Device RNG state to checkpoint (CUDA / XLA generator); CPU/python/numpy RNG is
+        saved by the checkpoint module itself."""
+        return {}
+
+    def set_rng_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``rng_state`` returned (ignores keys of another backend)."""
+
+    def peak_memory_bytes(self) -> int | None:
+        """Peak accelerator memory of this process, or None where the backend cannot tell."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for logs and bench JSON: accelerator name, count per node, versions."""
+        return {"backend": self.name, "world_size": self.world_size, "device": str(self.device)}
