@@ -1,0 +1,546 @@
+"""Exact, crash-safe checkpoints: save, keep the last K, find the newest complete one, resume.
+
+Layout (one directory per optimizer step, under ``CheckpointConfig.dir``)::
+
+    step-00001000/
+        model.safetensors      full CPU state of the unwrapped model (Backend.model_state_dict)
+        optimizer.pt           name-keyed full CPU optimizer state (Backend.optimizer_state_dict)
+        ema.safetensors        EMA weights, when the run keeps an EMA
+        train_state.json       step, samples seen, data position, LR schedule, run config
+        rng.pt                 python / numpy / torch CPU RNG + Backend.rng_state() of rank 0
+        rng-rank-00001.pt ...  the same for every other rank (ranks differ in their RNG streams)
+        manifest.json          WRITTEN LAST: format, step, every file with size and sha256
+
+A checkpoint is written into ``.tmp-step-XXXXXXXX`` beside its final name, every file is
+fsynced, the manifest goes in last and the directory is renamed into place (then the parent
+is fsynced), so a crash at any instant leaves either a complete ``step-*`` or a temp
+directory that ``find_latest`` never looks at. A ``step-*`` directory whose files disagree
+with its manifest (truncated copy, bit rot) is skipped too. Same pattern as torchtitan's
+``components/checkpointer`` (fixed keys per Stateful) with the manifest of
+``torch.distributed.checkpoint`` (``.metadata`` written after the shards).
+
+Everything needed to continue *bit-identically* is in here: weights, optimizer moments,
+LR-schedule position, EMA, data-loader position, step counters and every RNG stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from training.backends.base import Backend
+from training.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "sana-checkpoint/1"
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+EMA_FILE = "ema.safetensors"
+STATE_FILE = "train_state.json"
+RNG_FILE = "rng.pt"
+_STEP_RE = re.compile(r"^step-(\d{8})$")
+_TMP_PREFIX = ".tmp-step-"
+#: test hook: ``<step>:<point>`` SIGKILLs this process at that point of that step's save, so a
+#: test can kill a run deterministically *inside* a checkpoint write (see _fault_point).
+FAULT_ENV = "SANA_CHECKPOINT_FAULT"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Where and how often checkpoints are written, and what a run resumes from."""
+
+    #: checkpoint root; relative paths are under the run's output_dir (default <output_dir>/checkpoints)
+    dir: str = "checkpoints"
+    #: save every N optimizer steps (0 = only when the loop forces a save, e.g. at the end)
+    every_steps: int = 500
+    #: keep the newest K complete local checkpoints (0 = keep all)
+    keep_last: int = 3
+    #: "auto" = newest complete checkpoint (local, else the S3 mirror) or a fresh start;
+    #: "none" = always fresh; otherwise a checkpoint dir, a checkpoint root or an s3:// URL of either
+    resume: str = "auto"
+    #: s3://bucket/prefix to mirror every completed checkpoint to (None = no mirror)
+    s3_mirror: str | None = None
+    #: keep the newest K checkpoints under s3_mirror (0 = keep all; the bucket's lifecycle rules decide)
+    s3_keep_last: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.dir:
+            raise ValueError("checkpoint.dir: must not be empty; give a directory (default 'checkpoints')")
+        for name in ("every_steps", "keep_last", "s3_keep_last"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"checkpoint.{name}: must be an integer >= 0, got {value!r}")
+        if not isinstance(self.resume, str) or not self.resume:
+            raise ValueError("checkpoint.resume: use 'auto', 'none', a checkpoint path or an s3:// URL")
+        if self.s3_mirror is not None and not (self.s3_mirror.startswith("s3://") and len(self.s3_mirror) > 5):
+            raise ValueError(f"checkpoint.s3_mirror: {self.s3_mirror!r} is not an s3://BUCKET/PREFIX URL")
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """Counters the loop advances; saved under the fixed key ``train_state``."""
+
+    step: int = 0
+    samples_seen: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.samples_seen = int(state.get("samples_seen", 0))
+        self.extra = dict(state.get("extra", {}))
+
+
+# ----- RNG -----------------------------------------------------------------------------
+def capture_rng(backend: Backend | None = None) -> dict[str, Any]:
+    """Every RNG stream the step can draw from (numpy state as a tensor: loads with weights_only)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "torch": torch.get_rng_state(),
+        "backend": backend.rng_state() if backend is not None else {},
+    }
+
+
+def restore_rng(state: Mapping[str, Any], backend: Backend | None = None) -> None:
+    """Inverse of ``capture_rng``."""
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npst = state["numpy"]
+    np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"],
+                         npst["has_gauss"], npst["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if backend is not None:
+        backend.set_rng_state(state.get("backend", {}))
+
+
+def _rng_file(rank: int) -> str:
+    return RNG_FILE if rank == 0 else f"rng-rank-{rank:05d}.pt"
+
+
+# ----- files ---------------------------------------------------------------------------
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def sha256_file(path: Path, chunk: int = 8 * 1024**2) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # NOTE: a rename is only durable once the directory holding it is fsynced (POSIX rename(2)).
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as fh:
+        json.dump(obj, fh, indent=1, sort_keys=True, allow_nan=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """safetensors refuses shared storage (tied weights): give each tensor its own."""
+    seen: set[int] = set()
+    own: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        value = value.detach().cpu().contiguous()
+        ptr = value.untyped_storage().data_ptr()
+        if ptr in seen and value.numel():
+            value = value.clone()
+        seen.add(ptr)
+        own[key] = value
+    save_file(own, str(path))
+    _fsync_file(path)
+
+
+def _fault_point(step: int, point: str) -> None:
+    """Test hook: ``SANA_CHECKPOINT_FAULT=<step>:<point>`` SIGKILLs this process right here.
+
+    SIGKILL (not an exception) so nothing gets to clean up: exactly what a node loss or the
+    OOM killer does to a real run in the middle of a checkpoint write.
+    """
+    want = os.environ.get(FAULT_ENV)
+    if want and want == f"{step}:{point}":
+        log.warning("checkpoint fault hook: SIGKILL at step %d, %s", step, point)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ----- manifests and discovery ------------------------------------------------------------
+def read_manifest(ckpt_dir: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((ckpt_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(
+            manifest.get("files"), dict):
+        return None
+    return manifest
+
+
+def verify(ckpt_dir: str | Path, *, full: bool = True) -> dict[str, Any] | None:
+    """The manifest if ``ckpt_dir`` is a complete checkpoint, else None.
+
+    ``full`` also re-hashes every file (catches bit rot and a same-size torn copy); without it
+    only presence and sizes are checked, which is cheap enough to scan a whole root.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    manifest = read_manifest(ckpt_dir)
+    if manifest is None:
+        return None
+    for name, meta in manifest["files"].items():
+        path = ckpt_dir / name
+        try:
+            if path.stat().st_size != meta["size"]:
+                return None
+        except OSError:
+            return None
+        if full and sha256_file(path) != meta["sha256"]:
+            log.warning("checkpoint %s: %s does not match its sha256 in the manifest", ckpt_dir, name)
+            return None
+    return manifest
+
+
+def list_complete(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete (manifest present, sizes right) checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    found: list[tuple[int, Path]] = []
+    if not root.is_dir():
+        return found
+    for child in root.iterdir():
+        match = _STEP_RE.match(child.name)
+        if match and child.is_dir() and verify(child, full=False) is not None:
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def find_latest(root: str | Path, *, full: bool = True) -> Path | None:
+    """Newest complete checkpoint under ``root``; partial ones (no manifest, wrong sizes, temp
+    dirs, and with ``full`` a sha256 mismatch) are skipped with a warning, never picked."""
+    for _, path in reversed(list_complete(root)):
+        if not full or verify(path, full=True) is not None:
+            return path
+        log.warning("skipping checkpoint %s: its files do not match its manifest", path)
+    return None
+
+
+# ----- the checkpointer ------------------------------------------------------------------
+class Checkpointer:
+    """Called by the loop every step; decides itself when to write (STYLE.md rule 6).
+
+    Collective calls (``model_state_dict``, ``optimizer_state_dict``, ``barrier``) run on every
+    rank; rank 0 writes the shared files, each rank writes its own RNG file. The checkpoint
+    root must therefore be a filesystem every rank sees (FSx for Lustre on the cluster).
+    """
+
+    def __init__(self, cfg: CheckpointConfig, backend: Backend, *, output_dir: str | Path,
+                 run_config: Mapping[str, Any] | None = None) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        root = Path(cfg.dir)
+        self.root = root if root.is_absolute() else Path(output_dir) / root
+        self.run_config = dict(run_config or {})
+        self.last_saved_step: int | None = None
+        self.mirror = None
+        if backend.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".tmp-*"):
+                # Left by a run killed mid-write; never a candidate for resume.
+                shutil.rmtree(stale, ignore_errors=True)
+            if cfg.s3_mirror:
+                from training.mirror import S3Mirror
+
+                self.mirror = S3Mirror(cfg.s3_mirror, keep_last=cfg.s3_keep_last)
+        backend.barrier()
+
+    # ----- save --------------------------------------------------------------------------
+    def due(self, step: int, force: bool = False) -> bool:
+        if step == self.last_saved_step:
+            return False  # e.g. the final forced save right after a periodic one
+        return force or (self.cfg.every_steps > 0 and step > 0 and step % self.cfg.every_steps == 0)
+
+    def maybe_save(self, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: Stateful | None = None, ema: Stateful | None = None,
+                   loader: Stateful | None = None, state: TrainState, force: bool = False) -> Path | None:
+        """Save ``step`` when due (every ``every_steps``) or ``force``d. Returns the path or None."""
+        if not self.due(step, force):
+            return None
+        return self.save(step=step, model=model, optimizer=optimizer, scheduler=scheduler, ema=ema,
+                         loader=loader, state=state)
+
+    def save(self, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: Stateful | None = None, ema: Stateful | None = None,
+             loader: Stateful | None = None, state: TrainState) -> Path:
+        backend = self.backend
+        # Collective on every rank, before anything touches the disk.
+        model_sd = backend.model_state_dict(model)
+        optim_sd = backend.optimizer_state_dict(model, optimizer)
+        rng = capture_rng(backend)
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f"{_TMP_PREFIX}{step:08d}"
+        if backend.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        backend.barrier()
+        if not backend.is_main:
+            tmp.mkdir(parents=True, exist_ok=True)  # exists already on a shared filesystem
+            _torch_save(rng, tmp / _rng_file(backend.rank))
+        else:
+            _fault_point(step, "start")
+            _save_tensors(model_sd, tmp / MODEL_FILE)
+            _fault_point(step, "after-model")
+            _torch_save(optim_sd, tmp / OPTIMIZER_FILE)
+            ema_meta: dict[str, Any] | None = None
+            if ema is not None:
+                ema_tensors, ema_meta = _split_tensors(ema.state_dict())
+                _save_tensors(ema_tensors, tmp / EMA_FILE)
+            train_state = {
+                "step": step,
+                "samples_seen": state.samples_seen,
+                "train_state": state.state_dict(),
+                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "dataloader": loader.state_dict() if loader is not None else None,
+                "ema_meta": ema_meta,
+                "backend": backend.describe(),
+                "world_size": backend.world_size,
+                "model_config": _model_config(backend.unwrap(model)),
+                "config": self.run_config,
+            }
+            _write_json(tmp / STATE_FILE, _jsonable(train_state))
+            _torch_save(rng, tmp / _rng_file(0))
+        backend.barrier()  # every rank's RNG file is on disk
+        if backend.is_main:
+            _fault_point(step, "before-manifest")
+            files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                     for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
+            _write_json(tmp / MANIFEST, {"format": FORMAT, "step": step, "files": files,
+                                         "world_size": backend.world_size})
+            _fsync_dir(tmp)
+            _fault_point(step, "before-rename")
+            if final.exists():  # an older attempt at this step (e.g. resumed from an earlier one)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            log.info("checkpoint saved: %s", final)
+            if self.mirror is not None:
+                self.mirror.submit(final)
+            self._prune()
+        backend.barrier()
+        self.last_saved_step = step
+        return final
+
+    def _prune(self) -> None:
+        if self.cfg.keep_last <= 0:
+            return
+        complete = list_complete(self.root)
+        busy = self.mirror.pending() if self.mirror is not None else set()
+        for _, path in complete[:-self.cfg.keep_last]:
+            if path.resolve() in busy:
+                continue  # still uploading; pruned after a later save
+            log.info("removing old checkpoint %s (keep_last=%d)", path, self.cfg.keep_last)
+            # Manifest first: an interrupted delete leaves an incomplete dir, never a "complete" one
+            # with missing files.
+            (path / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ----- restore ------------------------------------------------------------------------
+    def resolve_resume(self) -> Path | None:
+        """Rank 0 decides what to resume from (fetching from S3 if needed); all ranks agree."""
+        path: str | None = None
+        error: str | None = None
+        if self.backend.is_main:
+            try:
+                found = self._resolve_on_main()
+                path = str(found) if found is not None else None
+            except UserError as exc:
+                error = str(exc)
+        path, error = self.backend.broadcast_object((path, error))
+        if error:
+            raise UserError(error)
+        return Path(path) if path else None
+
+    def _resolve_on_main(self) -> Path | None:
+        resume = self.cfg.resume
+        if resume == "none":
+            return None
+        if resume == "auto":
+            found = find_latest(self.root)
+            if found is None and self.cfg.s3_mirror:
+                from training.mirror import fetch_latest
+
+                found = fetch_latest(self.cfg.s3_mirror, self.root)
+            return found
+        if resume.startswith("s3://"):
+            from training.mirror import fetch_checkpoint, fetch_latest
+
+            found = fetch_checkpoint(resume, self.root) if _STEP_RE.match(resume.rstrip("/").rsplit("/", 1)[-1]) \
+                else fetch_latest(resume, self.root)
+            if found is None:
+                raise UserError(f"checkpoint.resume: {resume} holds no complete checkpoint; "
+                                "check the URL or use --resume auto")
+            return found
+        path = Path(resume)
+        if (path / MANIFEST).exists():
+            if verify(path) is None:
+                raise UserError(f"checkpoint.resume: {path} is incomplete or corrupt (files do not match "
+                                "manifest.json); pick another step-* directory")
+            return path
+        found = find_latest(path) if path.is_dir() else None
+        if found is None:
+            raise UserError(f"checkpoint.resume: {path} is neither a complete checkpoint nor a directory "
+                            "holding one; give a step-XXXXXXXX directory, its parent, 'auto' or 'none'")
+        return found
+
+    def restore(self, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: Stateful | None = None, ema: Stateful | None = None,
+                loader: Stateful | None = None, state: TrainState) -> Path | None:
+        """Load everything from the checkpoint ``cfg.resume`` selects. Returns its path, or None
+        for a fresh start. RNG streams are restored last so nothing here perturbs them."""
+        path = self.resolve_resume()
+        if path is None:
+            return None
+        backend = self.backend
+        meta = json.loads((path / STATE_FILE).read_text())
+        backend.load_model_state_dict(model, load_file(str(path / MODEL_FILE)))
+        backend.load_optimizer_state_dict(model, optimizer,
+                                          torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+        if scheduler is not None and meta.get("lr_scheduler") is not None:
+            scheduler.load_state_dict(meta["lr_scheduler"])
+        if ema is not None:
+            if not (path / EMA_FILE).exists():
+                raise UserError(f"{path}: has no {EMA_FILE} but this run keeps an EMA; resume from a "
+                                "checkpoint written with EMA on, or turn EMA off")
+            ema.load_state_dict(_join_tensors(load_file(str(path / EMA_FILE)), meta.get("ema_meta")))
+        if loader is not None and meta.get("dataloader") is not None:
+            loader.load_state_dict(meta["dataloader"])
+        state.load_state_dict(meta["train_state"])
+        rng_path = path / _rng_file(backend.rank)
+        if not rng_path.exists():
+            # A different world size than the saving run: continuing is fine, bit-identity is not.
+            log.warning("%s: no RNG state for rank %d (saved with world size %s); using rank 0's",
+                        path, backend.rank, meta.get("world_size"))
+            rng_path = path / RNG_FILE
+        restore_rng(torch.load(rng_path, map_location="cpu", weights_only=True), backend)
+        self.last_saved_step = state.step
+        log.info("resumed from %s at step %d", path, state.step)
+        return path
+
+    def close(self) -> None:
+        """Wait for the S3 mirror to finish every queued upload."""
+        if self.mirror is not None:
+            self.mirror.close()
+            self._prune()
+            self.mirror = None
+
+
+# ----- helpers for state that is not a flat tensor dict ---------------------------------
+def _split_tensors(state: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Nested state -> (flat ``a/b`` keyed tensors for safetensors, JSON description of the rest).
+
+    Keys are joined with "/" because parameter names already contain dots.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] = {"tensors": [], "nested": {}, "values": {}}
+    for key, value in state.items():
+        key = str(key)
+        if isinstance(value, torch.Tensor):
+            tensors[prefix + key] = value
+            meta["tensors"].append(key)
+        elif isinstance(value, Mapping):
+            sub_t, sub_m = _split_tensors(value, prefix + key + "/")
+            tensors.update(sub_t)
+            meta["nested"][key] = sub_m
+        else:
+            meta["values"][key] = value
+    return tensors, meta
+
+
+def _join_tensors(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None,
+                  prefix: str = "") -> dict[str, Any]:
+    """Inverse of ``_split_tensors`` (``meta`` None: the file holds a flat tensor dict)."""
+    if meta is None:
+        return dict(tensors)
+    out: dict[str, Any] = dict(meta["values"])
+    out.update({key: tensors[prefix + key] for key in meta["tensors"]})
+    out.update({key: _join_tensors(tensors, sub, prefix + key + "/") for key, sub in meta["nested"].items()})
+    return out
+
+
+def _model_config(model: nn.Module) -> dict[str, Any] | None:
+    """The diffusers config of the model (what export needs to rebuild it), if it has one."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    try:
+        return _jsonable(dict(config))
+    except TypeError:
+        return None
+
+
+def _jsonable(obj: Any) -> Any:
+    """JSON-safe copy: tuples -> lists, Paths -> str; a tensor here is a bug in the caller."""
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, torch.Tensor):
+        if obj.numel() == 1:
+            return obj.item()
+        raise TypeError("train_state.json: a tensor in a scheduler/loader/config state; keep those small")
+    if obj is None or isinstance(obj, str | int | float | bool):
+        return obj
+    raise TypeError(f"train_state.json: cannot store {type(obj).__name__}")
