@@ -223,3 +223,46 @@ def mfu(flops_per_sample: float, samples_per_s_per_device: float, accelerator: s
     if peak is None or samples_per_s_per_device <= 0:
         return None
     return flops_per_sample * samples_per_s_per_device / (peak * 1e12)
+
+
+# ----- cross-check against torch's FLOP counter ---------------------------------------------
+
+def counted_train_flops_per_sample(model_kwargs: Mapping[str, Any], text_tokens: int,
+                                   latent_hw: tuple[int, int], *, device: str = "cpu",
+                                   batch: int = 1) -> float:
+    """fwd+bwd FLOPs per sample of a real ``SanaTransformer2DModel`` as
+    ``torch.utils.flop_counter.FlopCounterMode`` counts them (the check on the analytic model).
+
+    ``device="meta"`` counts full-size presets without allocating memory or computing.
+
+    NOTE: two corrections make the counter see what the GPU runs:
+    - SDPA is forced to the math backend: on CPU, SDPA dispatches to
+      ``_scaled_dot_product_flash_attention_for_cpu``, which the counter has no formula for
+      (the cross-attention scores would count as 0); the math path decomposes into counted bmms.
+    - ``convolution_backward`` gets a groups-aware formula: torch's ``conv_backward_flop``
+      computes grad-weight as a dense conv over all input channels, ignoring ``groups``, so
+      the 3x3 depthwise conv of Mix-FFN is over-counted by a factor of its channel count
+      (~5,760x at 600M). Grad-input and grad-weight each cost one forward conv.
+    """
+    import torch
+    from diffusers import SanaTransformer2DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode, conv_flop_count
+
+    def conv_backward(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation,
+                      _transposed, _output_padding, _groups, output_mask, out_shape=None, **_kw) -> int:
+        return conv_flop_count(x_shape, w_shape, grad_out_shape) * (int(output_mask[0]) + int(output_mask[1]))
+
+    kw = {**_SANA_DEFAULTS, **dict(model_kwargs)}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = SanaTransformer2DModel(**dict(model_kwargs))
+        latents = torch.randn(batch, int(kw["in_channels"]), *latent_hw)
+        text = torch.randn(batch, text_tokens, int(kw["caption_channels"]))
+        mask = torch.ones(batch, text_tokens, dtype=torch.long)
+        timestep = torch.rand(batch) * 1000
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.convolution_backward: conv_backward})
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        out = model(latents, text, timestep, encoder_attention_mask=mask).sample
+        out.float().pow(2).mean().backward()
+    return counter.get_total_flops() / batch

@@ -1,0 +1,61 @@
+"""The analytic FLOP model (training/flops.py) against torch's FlopCounterMode on real models."""
+
+from __future__ import annotations
+
+import pytest
+
+from training import flops
+from training.model import PRESETS
+
+# A mid-size config: every component at non-trivial width, patch 2, a few seconds on CPU.
+MID = dict(in_channels=16, out_channels=16, num_layers=2, num_attention_heads=8, attention_head_dim=32,
+           num_cross_attention_heads=4, cross_attention_head_dim=64, cross_attention_dim=256,
+           caption_channels=128, patch_size=2, sample_size=16)
+
+
+@pytest.mark.parametrize(("name", "kwargs", "text_tokens", "hw"), [
+    ("tiny", PRESETS["tiny"], 16, (32, 32)),
+    ("mid", MID, 40, (16, 16)),
+])
+def test_matches_flop_counter_on_cpu(name, kwargs, text_tokens, hw):
+    counted = flops.counted_train_flops_per_sample(kwargs, text_tokens, hw, batch=2)
+    analytic = flops.train_flops_per_sample(kwargs, text_tokens, hw)
+    ratio = analytic / counted
+    print(f"{name}: analytic {analytic:.4g} counted {counted:.4g} ratio {ratio:.4f}")
+    assert abs(ratio - 1) <= 0.05
+
+
+@pytest.mark.parametrize(("preset", "text_tokens", "hw"), [
+    ("sana-600m-512", 300, (16, 16)),
+    ("sana-1600m-1024", 300, (32, 32)),
+])
+def test_full_presets_on_meta_device(preset, text_tokens, hw):
+    counted = flops.counted_train_flops_per_sample(PRESETS[preset], text_tokens, hw, device="meta", batch=1)
+    analytic = flops.train_flops_per_sample(PRESETS[preset], text_tokens, hw)
+    assert abs(analytic / counted - 1) <= 0.05
+
+
+def test_forward_is_exact_and_600m_is_about_095_tflop():
+    kw = PRESETS["sana-600m-512"]
+    total = flops.train_flops_per_sample(kw, 300, (16, 16))
+    assert total == pytest.approx(0.95e12, rel=0.01)
+    parts = flops.forward_flops_breakdown(kw, 300, (16, 16))
+    # hand computation of the largest term: Mix-FFN, 28 x (2*256*1152*5760 + 2*256*5760*9 + 2*256*2880*1152)
+    assert parts["mix_ffn"] == 28 * (2 * 256 * 1152 * 5760 + 2 * 256 * 5760 * 9 + 2 * 256 * 2880 * 1152)
+    assert total == 3 * sum(parts.values())
+
+
+def test_peaks_and_mfu():
+    assert flops.PEAK_TFLOPS["H100-SXM"] == 989.0
+    assert flops.PEAK_TFLOPS["H200-SXM"] == 989.0
+    assert flops.PEAK_TFLOPS["A100-SXM"] == 312.0
+    assert flops.PEAK_TFLOPS["Trainium1-chip"] == 190.0
+    assert flops.PEAK_TFLOPS["NeuronCore-v2"] == 95.0
+    assert all(a.source.count("https://") == 1 for a in flops.ACCELERATORS.values())
+    assert flops.accelerator_for_instance("ml.p5.48xlarge") == "H100-SXM"
+    assert flops.accelerator_for_instance("trn1.32xlarge") == "NeuronCore-v2"
+    assert flops.accelerator_for_instance("ml.c5.xlarge") is None
+    # 0.95 TFLOP/sample at 520.6 samples/s on one H100 in bf16 = 50% MFU
+    assert flops.mfu(0.95e12, 520.6, "H100-SXM", "bf16-mixed") == pytest.approx(0.95 * 520.6 / 989, rel=1e-9)
+    assert flops.mfu(1e9, 10.0, None, "fp32") is None
+    assert flops.peak_tflops("NeuronCore-v2", "fp32") == 23.75
