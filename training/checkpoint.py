@@ -325,6 +325,11 @@ class Checkpointer:
         # Collective on every rank, before anything touches the disk.
         model_sd = backend.model_state_dict(model)
         optim_sd = backend.optimizer_state_dict(model, optimizer)
+        # EMA.state_dict gathers FSDP shards: collective too. The small states are taken here as
+        # well so every rank runs the same code path.
+        ema_sd = ema.state_dict() if ema is not None else None
+        sched_sd = scheduler.state_dict() if scheduler is not None else None
+        loader_sd = loader.state_dict() if loader is not None else None
         rng = capture_rng(backend)
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{_TMP_PREFIX}{step:08d}"
@@ -341,15 +346,15 @@ class Checkpointer:
             _fault_point(step, "after-model")
             _torch_save(optim_sd, tmp / OPTIMIZER_FILE)
             ema_meta: dict[str, Any] | None = None
-            if ema is not None:
-                ema_tensors, ema_meta = _split_tensors(ema.state_dict())
+            if ema_sd is not None:
+                ema_tensors, ema_meta = _split_tensors(ema_sd)
                 _save_tensors(ema_tensors, tmp / EMA_FILE)
             train_state = {
                 "step": step,
                 "samples_seen": state.samples_seen,
                 "train_state": state.state_dict(),
-                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "dataloader": loader.state_dict() if loader is not None else None,
+                "lr_scheduler": sched_sd,
+                "dataloader": loader_sd,
                 "ema_meta": ema_meta,
                 "backend": backend.describe(),
                 "world_size": backend.world_size,

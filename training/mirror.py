@@ -68,12 +68,14 @@ class S3Mirror:
     """Background uploader of complete checkpoint directories to ``url/step-XXXXXXXX/``."""
 
     def __init__(self, url: str, *, keep_last: int = 0, attempts: int = 6, backoff_s: float = 1.0,
-                 max_backoff_s: float = 30.0, endpoint_url: str | None = None) -> None:
+                 max_backoff_s: float = 30.0, endpoint_url: str | None = None, botocore_attempts: int = 10
+                 ) -> None:
         self.dest = s3lib.parse_s3_url(url)
         self.keep_last = keep_last
         self._retry_kw = {"attempts": attempts, "backoff_s": backoff_s, "max_backoff_s": max_backoff_s,
                           "rng": random.Random()}
         self._endpoint_url = endpoint_url
+        self._botocore_attempts = botocore_attempts
         self._queue: list[Path] = []
         self._active: Path | None = None
         self._closing = False
@@ -114,7 +116,7 @@ class S3Mirror:
 
     # ----- the thread --------------------------------------------------------------------
     def _run(self) -> None:
-        s3 = s3lib.client(self._endpoint_url)
+        s3 = s3lib.client(self._endpoint_url, self._botocore_attempts)
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._closing)
@@ -141,7 +143,7 @@ class S3Mirror:
 
     def upload(self, ckpt_dir: Path, *, s3=None) -> int:
         """Upload one complete checkpoint dir, manifest last. Returns its step."""
-        s3 = s3 or s3lib.client(self._endpoint_url)
+        s3 = s3 or s3lib.client(self._endpoint_url, self._botocore_attempts)
         manifest = read_manifest(ckpt_dir)
         if manifest is None:
             raise MirrorError(f"{ckpt_dir}: no valid manifest; only complete checkpoints are mirrored")
@@ -171,7 +173,7 @@ class S3Mirror:
     def prune(self, *, s3=None) -> None:
         """Keep the newest ``keep_last`` complete checkpoints on S3; delete older ones (and older
         incomplete leftovers), manifest first."""
-        s3 = s3 or s3lib.client(self._endpoint_url)
+        s3 = s3 or s3lib.client(self._endpoint_url, self._botocore_attempts)
         by_step = _group_keys(s3lib.list_keys(self.dest, s3=s3))
         complete = sorted(step for step, names in by_step.items() if MANIFEST in names)
         if len(complete) <= self.keep_last:
