@@ -1,0 +1,313 @@
+"""CUDA (and CPU) backend: torch.distributed with NCCL on GPUs, gloo on CPU.
+
+Data parallelism is DDP by default; FSDP2 (``fully_shard`` per transformer block, then the
+root) shards parameters, gradients and AdamW state for the 1.6B model, whose fp32 AdamW
+state alone (~19 GiB) plus activations crowds an 80 GiB H100 under DDP.
+
+Precision modes (TrainConfig.precision):
+- ``fp32``: fp32 everywhere (TF32 matmuls on Ampere+ when ``gpu.tf32``).
+- ``bf16-mixed``: fp32 master weights and optimizer state, bf16 compute via autocast
+  (FSDP additionally gathers parameters in bf16 and reduces gradients in fp32).
+- ``bf16``: pure bf16 weights, gradients and AdamW state; half the memory, less accuracy.
+
+State dicts leave this backend full, on CPU and name-keyed (training/backends/state.py);
+they are complete on rank 0 and may be empty on other ranks (rank 0 writes checkpoints).
+Loading accepts a full state on rank 0 and anything (e.g. ``{}``) elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import socket
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from training.backends.base import Backend, Batch
+from training.backends.state import from_named_optimizer_state, to_named_optimizer_state
+
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+
+
+@dataclasses.dataclass(kw_only=True)
+class GpuConfig:
+    """GPU-backend options (section ``gpu`` of the training config)."""
+
+    #: "ddp" (replicated weights; 600M) or "fsdp" (FSDP2 fully_shard; 1.6B)
+    distributed: str = "ddp"
+    #: torch.compile the model (first step costs 1-2 min; ~10-25% faster after)
+    compile: bool = False
+    #: TF32 tensor-core matmuls for fp32 ops (Ampere+); no effect on CPU
+    tf32: bool = True
+    #: FSDP2: keep parameters unsharded after forward (faster backward, more memory)
+    fsdp_reshard_after_forward: bool = True
+    #: process-group timeout in minutes (large checkpoints and S3 waits need slack)
+    timeout_minutes: int = 30
+
+    def __post_init__(self) -> None:
+        if self.distributed not in ("ddp", "fsdp"):
+            raise ValueError(f"gpu.distributed: {self.distributed!r} is not one of 'ddp', 'fsdp'")
+        if self.timeout_minutes <= 0:
+            raise ValueError("gpu.timeout_minutes: must be > 0")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cast_floats_to_bf16(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Pure-bf16 forward pre-hook: inputs follow the bf16 weights. The timestep stays fp32:
+    bf16 resolves only ~4 units near t=1000 and the embedding casts it itself."""
+    def cast(name: str, v: Any) -> Any:
+        if torch.is_tensor(v) and v.is_floating_point() and name != "timestep":
+            return v.to(torch.bfloat16)
+        return v
+    return tuple(cast("", a) for a in args), {k: cast(k, v) for k, v in kwargs.items()}
+
+
+def accelerator_key(device_name: str, memory_bytes: int) -> str:
+    """torch's device name -> the training.flops accelerator key (its MFU peak), else the name.
+
+    NOTE: the PCIe/NVL variants have lower peaks than SXM; HyperPod's p4d/p5/p5e/p5en are SXM.
+    """
+    for family, key in (("H200", "H200-SXM"), ("H100", "H100-SXM")):
+        if family in device_name:
+            return key
+    if "A100" in device_name:
+        return "A100-SXM-80GB" if memory_bytes > 60 * 2**30 else "A100-SXM"
+    return device_name
+
+
+class GpuBackend(Backend):
+    """torch.distributed backend for CUDA devices, or CPU processes in tests and the demo."""
+
+    name = "gpu"
+
+    def __init__(self, cfg: GpuConfig, *, precision: str = "bf16-mixed") -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision: {precision!r} is not one of {PRECISIONS}")
+        self.cfg = cfg
+        self.precision = precision
+        self.device = torch.device("cpu")
+        self._ddp: nn.Module | None = None
+        self._fsdp_root: nn.Module | None = None
+        self._owns_group = False
+
+    # ----- lifecycle ---------------------------------------------------------
+    def init(self) -> None:
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+            if self.cfg.tf32:
+                torch.backends.cuda.matmul.allow_tf32 = True
+                torch.backends.cudnn.allow_tf32 = True
+        needs_group = self.world_size > 1 or self.cfg.distributed == "fsdp"
+        if needs_group and not dist.is_initialized():
+            kw: dict[str, Any] = {}
+            if "MASTER_ADDR" not in os.environ:  # a lone process (FSDP on one device)
+                kw = dict(init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+            if self.device.type == "cuda":
+                kw["device_id"] = self.device
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(minutes=self.cfg.timeout_minutes), **kw)
+            self._owns_group = True
+
+    def close(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    # ----- model and optimizer ---------------------------------------------
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        model.to(self.device)
+        if self.precision == "bf16":
+            model.to(torch.bfloat16)
+            model.register_forward_pre_hook(_cast_floats_to_bf16, with_kwargs=True)
+        if self.cfg.distributed == "fsdp":
+            model = self._fully_shard(model)
+        elif self.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = self._ddp = DistributedDataParallel(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        if self.cfg.compile:
+            model = torch.compile(model)
+        return model
+
+    def _fully_shard(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = MixedPrecisionPolicy()
+        if self.precision == "bf16-mixed":
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=self.cfg.fsdp_reshard_after_forward)
+        # One FSDP unit per transformer block (torchtitan's recipe): gathers overlap compute.
+        for block in getattr(model, "transformer_blocks", []):
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+        self._fsdp_root = model
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        model = getattr(model, "_orig_mod", model)  # torch.compile
+        return getattr(model, "module", model)  # DDP (FSDP2 shards in place)
+
+    def build_optimizer(self, model: nn.Module, make: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+                        ) -> torch.optim.Optimizer:
+        return make([p for p in self.unwrap(model).parameters() if p.requires_grad])
+
+    # ----- the step -----------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == "bf16-mixed":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _fsdp_no_sync(self, root: nn.Module) -> Iterator[None]:
+        root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        if self._ddp is not None:
+            return self._ddp.no_sync()
+        if self._fsdp_root is not None and self.world_size > 1:
+            return self._fsdp_no_sync(self._fsdp_root)
+        return contextlib.nullcontext()
+
+    def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        cuda = self.device.type == "cuda"
+        for batch in batches:
+            yield {k: (v.pin_memory().to(self.device, non_blocking=True) if cuda else v)
+                   for k, v in batch.items()}
+
+    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
+                      ) -> torch.Tensor:
+        params = [p for p in model.parameters() if p.grad is not None]
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(norm, "full_tensor"):  # FSDP2: DTensor norm over the shards
+            norm = norm.full_tensor()
+        optimizer.step()
+        return norm.float()
+
+    # ----- collectives / state ------------------------------------------------
+    @property
+    def _distributed(self) -> bool:
+        return dist.is_initialized() and self.world_size > 1
+
+    def barrier(self) -> None:
+        if self._distributed:
+            dist.barrier()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self._distributed:
+            return obj
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _all_have(self, state: Mapping[str, Any]) -> bool:
+        """True when every rank was handed a non-empty state (else rank 0's is broadcast)."""
+        flag = torch.tensor([1 if len(state) else 0], device=self.device)
+        if self._distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _full_options(self, **kw: Any):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, **kw)
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        if self._fsdp_root is not None:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return get_model_state_dict(self.unwrap(model), options=self._full_options(cpu_offload=True))
+        if not self.is_main:
+            return {}
+        return {k: v.detach().cpu().clone() for k, v in self.unwrap(model).state_dict().items()}
+
+    def load_model_state_dict(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        inner = self.unwrap(model)
+        if self._fsdp_root is not None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            set_model_state_dict(inner, dict(state), options=self._full_options(broadcast_from_rank0=True))
+            return
+        if self._all_have(state):
+            inner.load_state_dict(state)
+            return
+        if self.is_main:
+            inner.load_state_dict(state)
+        for t in inner.state_dict().values():
+            dist.broadcast(t, src=0)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self._fsdp_root is not None:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            return get_optimizer_state_dict(self.unwrap(model), optimizer,
+                                            options=self._full_options(cpu_offload=True))
+        if not self.is_main:
+            return {}
+        return to_named_optimizer_state(self.unwrap(model), optimizer)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: Mapping[str, Any]) -> None:
+        if self._fsdp_root is not None:
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            set_optimizer_state_dict(self.unwrap(model), optimizer, dict(state),
+                                     options=self._full_options(broadcast_from_rank0=True))
+            return
+        if not self._all_have(state):
+            state = self.broadcast_object(state if self.is_main else None)
+        from_named_optimizer_state(self.unwrap(model), optimizer, state)
+
+    def rng_state(self) -> dict[str, Any]:
+        if self.device.type == "cuda":
+            return {"cuda": torch.cuda.get_rng_state(self.device)}
+        return {}
+
+    def set_rng_state(self, state: Mapping[str, Any]) -> None:
+        if self.device.type == "cuda" and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    def peak_memory_bytes(self) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        cuda = self.device.type == "cuda"
+        name = torch.cuda.get_device_name(self.device) if cuda else "cpu"
+        return {
+            **super().describe(),
+            "accelerator": accelerator_key(name, torch.cuda.get_device_properties(self.device).total_memory
+                                           if cuda else 0),
+            "device_name": name,
+            "per_node": int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            "precision": self.precision,
+            "distributed": self.cfg.distributed,
+            "compile": self.cfg.compile,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+        }

@@ -1,0 +1,164 @@
+"""The one training loop, shared by every backend (STYLE.md rule 2: three layers).
+
+``train`` owns the run (build, resume, step, log, save), ``train_step`` one optimizer step
+(micro-batches, clip, update, schedule), ``forward_backward`` one micro-batch. Everything
+accelerator-specific is a ``Backend`` call; nothing here reads a device value except through
+``backend.on_host`` every ``log_every`` steps, so an XLA step stays one graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from training.backends.base import Backend, Batch
+from training.checkpoint import Checkpointer, TrainState
+from training.config import TrainConfig
+from training.data import FeatureIndex, FeatureLoader
+from training.ema import EMA
+from training.errors import UserError
+from training.metrics import MetricsLogger
+from training.model import ModelConfig, build_model
+from training.objective import RectifiedFlow
+from training.optim import OptimConfig, build_scheduler, optimizer_factory
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainResult:
+    """What a run did (bench reads it)."""
+
+    steps: int  # optimizer steps done by this call (not counting resumed ones)
+    final_loss: float | None  # last logged loss (None if nothing was logged)
+    step_times: list[float]  # host wall seconds per optimizer step, after each step's sync
+    samples_per_step: int  # global samples per optimizer step
+    checkpoint: Path | None  # last checkpoint written (or resumed from), if any
+
+
+def forward_backward(model: nn.Module, objective: RectifiedFlow, batch: Batch, backend: Backend,
+                     scale: float) -> torch.Tensor:
+    """Loss of one micro-batch, backpropagated with weight ``scale``; returns it detached."""
+    with backend.autocast():
+        loss = objective(model, batch)
+    (loss * scale).backward()
+    return loss.detach()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, objective: RectifiedFlow,
+               batches: Iterator[Batch], backend: Backend, cfg: OptimConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step over ``grad_accum_steps`` micro-batches -> (mean loss, grad norm),
+    both device tensors. Only the last micro-batch all-reduces gradients."""
+    optimizer.zero_grad(set_to_none=True)
+    n = cfg.grad_accum_steps
+    losses = []
+    for i in range(n):
+        sync_grads = contextlib.nullcontext() if i == n - 1 else backend.no_sync(model)
+        with sync_grads:
+            losses.append(forward_backward(model, objective, next(batches), backend, 1.0 / n))
+    grad_norm = backend.clip_and_step(model, optimizer, cfg.max_grad_norm)
+    scheduler.step()
+    return torch.stack(losses).mean(), grad_norm
+
+
+def check_compatible(model_cfg: ModelConfig, model: nn.Module, index: FeatureIndex) -> None:
+    """Fail before step 0 when the features cannot feed this transformer."""
+    config = model.config
+    channels = index.latent_shape[0]
+    if config.in_channels != channels:
+        raise UserError(f"model.preset: {model_cfg.preset} takes {config.in_channels} latent channels, "
+                        f"data.path {index.source} has {channels}; pick a matching preset or features")
+    if config.caption_channels != index.text_dim:
+        raise UserError(f"model.preset: {model_cfg.preset} takes caption_channels={config.caption_channels}, "
+                        f"data.path {index.source} has text_dim={index.text_dim}; pick a matching preset "
+                        "or set model.overrides.caption_channels")
+
+
+def _throughput_fn(cfg: TrainConfig, backend: Backend, model: nn.Module, index: FeatureIndex):
+    """(samples/s per device -> MFU or None), and tokens per sample (image + padded text)."""
+    c, h, w = index.latent_shape
+    p = model.config.patch_size
+    tokens = (h // p) * (w // p) + index.max_text_tokens
+    try:
+        from training import flops
+    except ImportError:  # bench's module missing: log throughput without MFU
+        return (lambda sps: None), tokens
+    kwargs = dict(model.config)
+    flops_per_sample = flops.train_flops_per_sample(kwargs, index.max_text_tokens, (h, w))
+    accel = backend.describe().get("accelerator")
+    return (lambda sps: flops.mfu(flops_per_sample, sps, accel, cfg.precision)), tokens
+
+
+def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
+    """Train to ``cfg.max_steps`` optimizer steps (resuming per ``cfg.checkpoint.resume``)."""
+    torch.manual_seed(cfg.seed)  # same on every rank: init and the objective's global draw
+    loader = FeatureLoader.from_config(cfg.data, rank=backend.rank, world_size=backend.world_size)
+    raw = build_model(cfg.model)
+    check_compatible(cfg.model, raw, loader.index)
+    model = backend.prepare_model(raw)
+    inner = backend.unwrap(model)
+    optimizer = backend.build_optimizer(model, optimizer_factory(cfg.optim))
+    scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.max_steps)
+    ema = EMA(inner, cfg.ema) if cfg.ema.enabled else None
+    null_text, null_mask = loader.null_caption()
+    objective = RectifiedFlow(cfg.objective, vae_scaling_factor=loader.index.vae_scaling_factor,
+                              null_text=null_text.to(backend.device), null_mask=null_mask.to(backend.device),
+                              rank=backend.rank, world_size=backend.world_size)
+    ckpt = Checkpointer(cfg.checkpoint, backend, output_dir=cfg.output_dir, run_config=cfg.to_dict())
+    state = TrainState()
+    last_ckpt = ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler, ema=ema, loader=loader,
+                             state=state)
+    global_batch = cfg.data.batch_size * backend.world_size * cfg.optim.grad_accum_steps
+    mfu_of, tokens_per_sample = _throughput_fn(cfg, backend, inner, loader.index)
+    metrics = MetricsLogger(cfg.output_dir, enabled=backend.is_main, tensorboard=cfg.tensorboard,
+                            total_steps=cfg.max_steps, start_step=state.step)
+    if backend.is_main:
+        log.info("training %s on %s from step %d to %d, global batch %d", cfg.model.preset,
+                 backend.describe(), state.step, cfg.max_steps, global_batch)
+    step_times: list[float] = []
+    final_loss: list[float] = []
+    window_start, window_steps = time.perf_counter(), 0
+
+    def report(step: int, seconds: float, steps: int, lr: float, loss: float, grad_norm: float) -> None:
+        sps = global_batch * steps / seconds
+        final_loss[:] = [loss]
+        metrics.log(step, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "samples_per_s": sps,
+                           "tokens_per_s": sps * tokens_per_sample, "mfu": mfu_of(sps / backend.world_size),
+                           "step_time_s": seconds / steps, "samples_seen": state.samples_seen})
+
+    batches = backend.device_batches(loader)
+    try:
+        while state.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            loss, grad_norm = train_step(model, optimizer, scheduler, objective, batches, backend, cfg.optim)
+            if ema is not None:
+                ema.update(inner, state.step + 1)
+            backend.sync()
+            state.step += 1
+            state.samples_seen += global_batch
+            step_times.append(time.perf_counter() - t0)
+            window_steps += 1
+            metrics.advance(state.step)
+            if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
+                now = time.perf_counter()
+                backend.on_host(functools.partial(report, state.step, now - window_start, window_steps,
+                                                  scheduler.get_last_lr()[0]), loss, grad_norm)
+                window_start, window_steps = now, 0
+            saved = ckpt.maybe_save(step=state.step, model=model, optimizer=optimizer, scheduler=scheduler,
+                                    ema=ema, loader=loader, state=state, force=state.step == cfg.max_steps)
+            last_ckpt = saved or last_ckpt
+    finally:
+        loader.close()
+        ckpt.close()
+        metrics.close()
+    return TrainResult(steps=len(step_times), final_loss=final_loss[0] if final_loss else None,
+                       step_times=step_times, samples_per_step=global_batch, checkpoint=last_ckpt)

@@ -1,0 +1,85 @@
+"""Training metrics out: JSON lines (always), TensorBoard (optional), a progress bar when
+a person is watching (stderr is a TTY) and a plain log line otherwise (Slurm logs).
+
+Only rank 0 writes; other ranks get a logger whose methods do nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("training")
+
+
+class MetricsLogger:
+    """Args:
+        output_dir: run directory; writes ``metrics.jsonl`` and ``tensorboard/`` there.
+        enabled: False on every rank but 0.
+        tensorboard: also write TensorBoard scalars.
+        total_steps / start_step: for the progress bar.
+    """
+
+    def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, total_steps: int,
+                 start_step: int = 0) -> None:
+        self.enabled = enabled
+        self._jsonl = None
+        self._tb = None
+        self._bar = None
+        if not enabled:
+            return
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / "metrics.jsonl"
+        self._jsonl = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(out / "tensorboard"))
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def advance(self, step: int) -> None:
+        """Called every optimizer step (host-only: no device reads)."""
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        """One record: JSON line + TensorBoard scalars + bar postfix or a log line."""
+        if not self.enabled:
+            return
+        record = {"step": step, "time": round(time.time(), 3), **values}
+        assert self._jsonl is not None
+        self._jsonl.write(json.dumps(record, allow_nan=True) + "\n")
+        numbers = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for key, value in numbers.items():
+                self._tb.add_scalar(f"train/{key}", value, step)
+        short = {k: _fmt(v) for k, v in numbers.items()
+                 if k in ("loss", "grad_norm", "lr", "samples_per_s", "mfu")}
+        if self._bar is not None:
+            self._bar.set_postfix(short, refresh=False)
+        else:
+            log.info("step %d %s", step, " ".join(f"{k}={v}" for k, v in short.items()))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        self._bar = self._tb = self._jsonl = None
+
+
+def _fmt(value: float) -> str:
+    if isinstance(value, int) or value == 0 or not math.isfinite(value):
+        return str(value)
+    return f"{value:.4g}"
