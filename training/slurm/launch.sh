@@ -1,0 +1,242 @@
+#!/usr/bin/env bash
+# Shared launcher behind the Sana Slurm job scripts (train-gpu, train-trainium, precompute,
+# bench). The .sbatch files only carry the #SBATCH header and call this script, so the
+# environment, the paths and the torchrun line are written once.
+#
+#   launch.sh job  KIND [CONFIG] [ARGS...]   in the batch step (first node of the allocation):
+#                                            node profile, run/log dirs, then one task per node
+#                                            with srun (srun --auto-resume=1 on HyperPod)
+#   launch.sh node KIND [CONFIG] [ARGS...]   in every srun task: torchrun for this node
+#
+# KIND is gpu | trainium | precompute | bench. CONFIG is a YAML file (optional for the
+# training kinds, which default to the 600M preset); ARGS go to the entrypoint unchanged.
+# Operator guide: runbooks/train-slurm.md.
+set -euo pipefail
+
+readonly LAUNCHER="${BASH_SOURCE[0]}"
+# training/slurm/launch.sh -> the directory that holds the `training` package.
+PACKAGE_ROOT=$(cd "$(dirname "$LAUNCHER")/../.." && pwd)
+readonly PACKAGE_ROOT
+
+die() {
+  echo "launch.sh: $*" >&2
+  exit 1
+}
+
+# Source the node profile written by the lifecycle scripts. SANA_* variables set explicitly
+# in the submitting shell win over the profile (a researcher's `SANA_CHECKPOINT_ROOT=... sbatch`
+# must not be overwritten), except SANA_ROLE, which must describe the node the job runs on,
+# not the login node it was submitted from.
+load_node_profile() {
+  local profile=${SANA_PROFILE:-/etc/profile.d/sana-platform.sh}
+  if [[ ! -r $profile ]]; then
+    echo "launch.sh: no node profile at $profile; using defaults for unset SANA_* variables"
+    return 0
+  fi
+  local submitted
+  submitted=$(export -p | grep -E '^declare -x SANA_[A-Z0-9_]+=' | grep -v '^declare -x SANA_ROLE=' || true)
+  # shellcheck source=/dev/null
+  source "$profile"
+  eval "$submitted"
+  echo "launch.sh: loaded node profile $profile"
+}
+
+# Defaults equal what the lifecycle profile writes on the cluster (CONTRACT.md, node
+# profile contract), so a node without the profile still finds FSx.
+apply_defaults() {
+  export SANA_FSX=${SANA_FSX:-/fsx}
+  export SANA_PLATFORM_DIR=${SANA_PLATFORM_DIR:-$SANA_FSX/platform/current}
+  export SANA_ENV_GPU=${SANA_ENV_GPU:-$SANA_FSX/envs/gpu}
+  export SANA_ENV_NEURON=${SANA_ENV_NEURON:-$SANA_FSX/envs/neuron}
+  export SANA_CHECKPOINT_ROOT=${SANA_CHECKPOINT_ROOT:-$SANA_FSX/checkpoints}
+  export SANA_LOG_ROOT=${SANA_LOG_ROOT:-$SANA_FSX/logs}
+  export SANA_DATA_ROOT=${SANA_DATA_ROOT:-$SANA_FSX/data}
+  export SANA_RDZV_PORT=${SANA_RDZV_PORT:-29500}
+  # HyperPod's marker directory; overridable so tests can exercise both srun forms.
+  export SANA_HYPERPOD_DIR=${SANA_HYPERPOD_DIR:-/opt/sagemaker_cluster}
+}
+
+# Python environment per kind: GPU kinds use the CUDA env, Trainium the Neuron env.
+# bench follows SANA_BENCH_BACKEND (gpu|trainium, default gpu) because it runs on either.
+env_dir_for() {
+  case $1 in
+    gpu | precompute) echo "$SANA_ENV_GPU" ;;
+    trainium) echo "$SANA_ENV_NEURON" ;;
+    bench)
+      case ${SANA_BENCH_BACKEND:-gpu} in
+        gpu) echo "$SANA_ENV_GPU" ;;
+        trainium) echo "$SANA_ENV_NEURON" ;;
+        *) die "SANA_BENCH_BACKEND=${SANA_BENCH_BACKEND}: unknown; use gpu or trainium" ;;
+      esac
+      ;;
+    *) die "unknown job kind '$1'; use gpu, trainium, precompute or bench" ;;
+  esac
+}
+
+accelerator_of() {
+  case $1 in
+    trainium) echo neuron ;;
+    bench) [[ ${SANA_BENCH_BACKEND:-gpu} == trainium ]] && echo neuron || echo gpu ;;
+    *) echo gpu ;;
+  esac
+}
+
+count_gpus() {
+  command -v nvidia-smi >/dev/null || return 0
+  nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true
+}
+
+# NeuronCores visible to torch-neuronx: trn1/trn1n 32 (16 devices x 2), trn2 64 (16 devices x
+# 8 physical cores / logical NC size 2, the trn2 default). neuron-ls reports the logical count
+# per device; without it, derive it from the device nodes and the instance family.
+count_neuron_cores() {
+  if command -v neuron-ls >/dev/null; then
+    neuron-ls --json-output 2>/dev/null \
+      | "$1" -c 'import json, sys; print(sum(int(d.get("nc_count", 0)) for d in json.load(sys.stdin)))' \
+      && return 0
+  fi
+  local devices
+  devices=$(find /dev -maxdepth 1 -name 'neuron[0-9]*' 2>/dev/null | wc -l)
+  ((devices > 0)) || return 0
+  local family
+  family=$(cat /sys/devices/virtual/dmi/id/product_name 2>/dev/null || true)
+  case $family in
+    trn2*) echo $((devices * 8 / ${NEURON_LOGICAL_NC_CONFIG:-2})) ;;
+    *) echo $((devices * 2)) ;;
+  esac
+}
+
+# One torchrun worker per accelerator; SANA_NPROC_PER_NODE overrides (CPU tests, partial nodes).
+nproc_per_node() {
+  local kind=$1 python=$2 count
+  if [[ -n ${SANA_NPROC_PER_NODE:-} ]]; then
+    [[ $SANA_NPROC_PER_NODE =~ ^[1-9][0-9]*$ ]] \
+      || die "SANA_NPROC_PER_NODE=$SANA_NPROC_PER_NODE: not a positive integer"
+    echo "$SANA_NPROC_PER_NODE"
+    return 0
+  fi
+  case $(accelerator_of "$kind") in
+    gpu) count=$(count_gpus) ;;
+    neuron) count=$(count_neuron_cores "$python") ;;
+  esac
+  [[ ${count:-0} -gt 0 ]] \
+    || die "$(hostname): no $(accelerator_of "$kind") accelerators found (nvidia-smi -L / neuron-ls); set SANA_NPROC_PER_NODE to run anyway"
+  echo "$count"
+}
+
+default_config() {
+  case $1 in
+    gpu | trainium | bench) echo "$PACKAGE_ROOT/training/configs/sana-600m-512.yaml" ;;
+    precompute) echo "" ;;
+  esac
+}
+
+entry_module() {
+  case $1 in
+    gpu) echo training.gpu ;;
+    trainium) echo training.trainium ;;
+    precompute) echo training.precompute ;;
+    bench) echo training.bench ;;
+  esac
+}
+
+run_job() {
+  local kind=$1
+  shift
+  [[ -n ${SLURM_JOB_ID:-} ]] || die "not inside a Slurm job; submit with sbatch (runbooks/train-slurm.md)"
+  load_node_profile
+  apply_defaults
+  env_dir_for "$kind" >/dev/null
+
+  local run_name=${SLURM_JOB_NAME:-sana-$kind}
+  export SANA_RUN_DIR=$SANA_CHECKPOINT_ROOT/$run_name
+  export SANA_JOB_LOG_DIR=$SANA_LOG_ROOT/$run_name-$SLURM_JOB_ID
+  mkdir -p "$SANA_RUN_DIR" "$SANA_JOB_LOG_DIR" \
+    || die "cannot create $SANA_RUN_DIR or $SANA_JOB_LOG_DIR; check SANA_CHECKPOINT_ROOT/SANA_LOG_ROOT"
+  # Everything from here on (this script and every node's torchrun, labelled by srun) also
+  # goes to job.log, next to the per-rank logs.
+  exec > >(tee -a "$SANA_JOB_LOG_DIR/job.log") 2>&1
+  local tee_pid=$!
+
+  local -a srun_args=(--nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --label)
+  if [[ -d $SANA_HYPERPOD_DIR ]]; then
+    # HyperPod's Slurm plugin: on a hardware fault it replaces the node and reruns this srun
+    # step in the same job; the entrypoint then resumes from the newest complete checkpoint.
+    srun_args+=(--auto-resume=1)
+  fi
+
+  echo "launch.sh: job $SLURM_JOB_ID ($run_name) kind=$kind nodes=$SLURM_JOB_NUM_NODES [$SLURM_JOB_NODELIST]"
+  echo "launch.sh: run dir $SANA_RUN_DIR; logs $SANA_JOB_LOG_DIR; env $(env_dir_for "$kind")"
+  echo "launch.sh: srun ${srun_args[*]}"
+  local status=0
+  srun "${srun_args[@]}" bash "$LAUNCHER" node "$kind" "$@" || status=$?
+  echo "launch.sh: job $SLURM_JOB_ID step finished with exit code $status"
+  exec >&- 2>&-
+  wait "$tee_pid" || true # let tee flush job.log before Slurm reaps the job
+  return "$status"
+}
+
+run_node() {
+  local kind=$1
+  shift
+  local env_dir python
+  env_dir=$(env_dir_for "$kind")
+  python=$env_dir/bin/python
+  [[ -x $python ]] || die "$(hostname): no Python at $python; build the $kind env or point SANA_ENV_GPU/SANA_ENV_NEURON at one"
+
+  # Recomputed in every step, not inherited from the batch script: after a HyperPod node
+  # replacement the rerun step may have a different first node.
+  local head nproc
+  head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+  nproc=$(nproc_per_node "$kind" "$python")
+
+  local config=""
+  if [[ $# -gt 0 && $1 != -* ]]; then
+    config=$1
+    shift
+  else
+    config=$(default_config "$kind")
+  fi
+  local -a entry=(-m "$(entry_module "$kind")")
+  [[ -n $config ]] && entry+=(--config "$config")
+  # Training writes into a run directory named after the Slurm job name, NOT the job id, so
+  # a resubmitted job with the same name finds its checkpoints and `--resume auto` goes on.
+  case $kind in
+    gpu | trainium) entry+=(--resume auto --output-dir "$SANA_RUN_DIR") ;;
+  esac
+  entry+=("$@")
+
+  if [[ $(accelerator_of "$kind") == neuron ]]; then
+    # Neuron runtime collectives bootstrap from one root address per job (Neuron docs,
+    # neuronx-distributed Slurm examples); same first-node rule as the rendezvous.
+    export NEURON_RT_ROOT_COMM_ID=${NEURON_RT_ROOT_COMM_ID:-$head:${SANA_NEURON_COMM_PORT:-46820}}
+  fi
+  export PYTHONPATH=$PACKAGE_ROOT${PYTHONPATH:+:$PYTHONPATH}
+
+  local node
+  node=$(hostname -s)
+  echo "launch.sh: $node: torchrun nnodes=$SLURM_JOB_NUM_NODES nproc_per_node=$nproc rdzv=$head:$SANA_RDZV_PORT -> ${entry[*]}"
+  exec "$python" -m torch.distributed.run \
+    --nnodes="$SLURM_JOB_NUM_NODES" \
+    --nproc-per-node="$nproc" \
+    --rdzv-backend=c10d \
+    --rdzv-endpoint="$head:$SANA_RDZV_PORT" \
+    --rdzv-id="$SLURM_JOB_ID" \
+    --max-restarts=0 \
+    --log-dir="$SANA_JOB_LOG_DIR/ranks/$node" \
+    --tee=3 \
+    "${entry[@]}"
+}
+
+main() {
+  [[ $# -ge 2 ]] || die "usage: launch.sh job|node KIND [CONFIG] [ARGS...]"
+  local mode=$1
+  shift
+  case $mode in
+    job) run_job "$@" ;;
+    node) run_node "$@" ;;
+    *) die "unknown mode '$mode'; use job or node" ;;
+  esac
+}
+
+main "$@"
