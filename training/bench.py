@@ -1,0 +1,461 @@
+"""``python -m training.bench``: training throughput, step-time spread, memory and MFU -> JSON.
+
+    python -m training.bench --backend gpu --config training/configs/sana-600m-512.yaml \\
+        --steps 50 --warmup 10 --synthetic --instance-type ml.p5.48xlarge --out result.json
+    python -m training.bench --overhead          # loop-vs-bare-step overhead check (CPU)
+
+The measured step is the production one: bench calls ``training.loop.train`` (the same loop,
+objective, backend and data loader as ``python -m training.gpu`` / ``training.trainium``)
+for ``warmup + steps`` optimizer steps and only times the last ``steps``. A benchmark loop
+of its own would measure something nobody trains with.
+
+Timing: the backend's ``sync()`` (end of each optimizer step) is wrapped so that at the end
+of the warm-up and at the end of the last step the device is drained (CUDA synchronize /
+XLA wait_device_ops) and the clock read. The timed window is exactly the device time of
+``steps`` steps, yet the steps inside it keep their normal host/device overlap (no sync per
+step). The p50/p90 come from the loop's per-step host times, which in steady state run at
+the device's pace (the launch queue / XLA pipeline throttles the host).
+
+Throughput is reported per accelerator (per rank), per instance and in total; MFU uses
+``training.flops`` (analytic model x samples/s per accelerator / published dense peak).
+The JSON schema is ``training.bench_result.BenchResult``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import logging
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from training import flops
+from training.bench_result import BenchResult
+from training.errors import UserError, exits_cleanly
+
+log = logging.getLogger(__name__)
+
+#: DC-AE f32: one latent pixel = 32 image pixels (Sana's VAE), for the nominal resolution
+VAE_DOWNSAMPLE = 32
+#: caption length for synthetic features: Sana's Gemma-2 max_length (first token + last 299)
+DEFAULT_TEXT_TOKENS = 300
+
+
+# ----- the clock around the loop ------------------------------------------------------------
+
+def drain(device: Any) -> None:
+    """Wait until the device has finished all queued work (no-op for eager CPU)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    elif device.type == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+
+
+@dataclasses.dataclass
+class StepClock:
+    """Device-synchronised timestamps at the end of the warm-up and of the last step.
+
+    ``install`` wraps ``backend.sync`` on that instance only; the loop is unchanged.
+    """
+
+    warmup: int
+    total: int
+    steps_seen: int = 0
+    t_start: float | None = None
+    t_end: float | None = None
+    compiles_at_start: dict[str, Any] | None = None
+    compiles_at_end: dict[str, Any] | None = None
+
+    def install(self, backend: Any) -> None:
+        inner_sync = backend.sync
+        stats: Callable[[], dict[str, Any]] | None = getattr(backend, "compile_stats", None)
+
+        def sync() -> None:
+            inner_sync()
+            self.steps_seen += 1
+            if self.steps_seen in (self.warmup, self.total):
+                drain(backend.device)
+                now = time.perf_counter()
+                snapshot = stats() if stats is not None and backend.device.type == "xla" else None
+                if self.steps_seen == self.warmup:
+                    self.t_start, self.compiles_at_start = now, snapshot
+                if self.steps_seen == self.total:
+                    self.t_end, self.compiles_at_end = now, snapshot
+
+        backend.sync = sync
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default method), q in [0, 100]."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+# ----- building the run ---------------------------------------------------------------------
+
+def make_backend(name: str, cfg: Any) -> Any:
+    """The backend the matching entrypoint would build (training.gpu / training.trainium)."""
+    if name == "gpu":
+        from training.backends.gpu import GpuBackend
+
+        return GpuBackend(cfg.gpu, precision=cfg.precision)
+    if name == "trainium":
+        from training.backends.neuron import NeuronBackend
+
+        return NeuronBackend(cfg.trainium, precision=cfg.precision)
+    raise UserError(f"--backend {name}: must be 'gpu' or 'trainium'")
+
+
+def synthetic_spec(model_kwargs: dict[str, Any], text_tokens: int) -> dict[str, Any]:
+    """Feature shapes that feed this transformer: [C, S, S] latents, caption_channels text."""
+    size = int(model_kwargs.get("sample_size", 32))
+    return {"latent_shape": (int(model_kwargs.get("in_channels", 32)), size, size),
+            "text_dim": int(model_kwargs.get("caption_channels", 2304)),
+            "max_text_tokens": int(text_tokens),
+            # real captions are shorter than the padded length; storage only, not compute
+            "text_tokens": (max(1, text_tokens // 15), max(1, text_tokens * 2 // 5))}
+
+
+def ensure_synthetic_features(root: Path, spec: dict[str, Any], num_samples: int, *, write: bool) -> Path:
+    """A synthetic feature directory for ``spec`` under ``root`` (written once per node)."""
+    from training.data import INDEX, write_synthetic_features
+
+    key = hashlib.sha256(json.dumps([spec, num_samples], sort_keys=True, default=list).encode()).hexdigest()[:12]
+    path = root / f"synthetic-{key}"
+    if write and not (path / INDEX).is_file():
+        tmp = root / f".tmp-synthetic-{key}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_synthetic_features(tmp, num_samples=num_samples, seed=0, **spec)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process on this node won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def versions() -> dict[str, str]:
+    """Versions that decide the numbers (strings; absent packages are left out)."""
+    out = {"python": platform.python_version()}
+    for module in ("torch", "diffusers", "torch_xla", "torch_neuronx", "neuronxcc"):
+        try:
+            mod = __import__(module)
+        except Exception:  # noqa: BLE001 - any import failure means "not part of this run"
+            continue
+        out[module] = str(getattr(mod, "__version__", "unknown"))
+    try:
+        import torch
+
+        if torch.version.cuda:
+            out["cuda"] = str(torch.version.cuda)
+    except ImportError:
+        pass
+    return out
+
+
+def device_kind(backend: Any, info: dict[str, Any]) -> str:
+    if backend.device.type == "cuda":
+        return "cuda"
+    if backend.device.type == "xla":
+        return "neuron" if info.get("pjrt_device") == "NEURON" else "xla-cpu"
+    return "cpu"
+
+
+def resolve_accelerator(instance_type: str, info: dict[str, Any]) -> tuple[str, str | None]:
+    """(accelerator name, note). The backend's own report wins when it is a known key (it
+    measured the device); else the instance type's layout; else what the backend said."""
+    reported = str(info.get("accelerator") or info.get("device") or "unknown")
+    from_instance = flops.accelerator_for_instance(instance_type) if instance_type != "local" else None
+    if reported in flops.ACCELERATORS:
+        note = None
+        if from_instance and from_instance != reported:
+            note = f"backend reports {reported}, {instance_type} implies {from_instance}; used {reported}"
+        return reported, note
+    if from_instance:
+        return from_instance, None
+    return reported, None
+
+
+# ----- the benchmark -----------------------------------------------------------------------
+
+def run_bench(cfg: Any, backend: Any, *, steps: int, warmup: int, instance_type: str = "local",
+              data_label: str | None = None, command: str = "", notes: str = "") -> BenchResult | None:
+    """Train ``warmup + steps`` steps through ``training.loop.train`` and measure the last
+    ``steps``. ``backend`` must be initialised. Returns the result on rank 0, None elsewhere."""
+    from training.data import FeatureIndex
+    from training.loop import train
+
+    if steps < 1 or warmup < 1:
+        raise UserError("--steps and --warmup: must both be >= 1 (the first step allocates and compiles)")
+    cfg.max_steps = warmup + steps
+    cfg.checkpoint.resume = "none"  # a bench never continues an earlier run
+    cfg.checkpoint.every_steps = 0  # only the loop's forced final save, after the timed window
+    clock = StepClock(warmup=warmup, total=warmup + steps)
+    clock.install(backend)
+    result = train(cfg, backend)
+    if not backend.is_main:
+        return None
+    if result.steps != warmup + steps or clock.t_start is None or clock.t_end is None:
+        raise RuntimeError(f"bench: the loop ran {result.steps} steps, expected {warmup + steps}")
+    timed = result.step_times[warmup:]
+    seconds = clock.t_end - clock.t_start
+    info = backend.describe()
+    index = FeatureIndex.load(cfg.data.path)
+    model_kwargs = cfg.model.model_kwargs()
+    _, lat_h, lat_w = index.latent_shape
+    flops_per_sample = flops.train_flops_per_sample(model_kwargs, index.max_text_tokens, (lat_h, lat_w))
+    accelerator, accel_note = resolve_accelerator(instance_type, info)
+    per_node = int(info.get("per_node") or os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if backend.world_size % per_node:
+        per_node = backend.world_size
+    nodes = backend.world_size // per_node
+    total = result.samples_per_step * steps / seconds
+    per_accel = total / backend.world_size
+    peak = flops.peak_tflops(accelerator, cfg.precision)
+    spec = flops.instance_spec(instance_type) if instance_type != "local" else None
+    note_parts = [n for n in (notes, accel_note) if n]
+    if spec and per_node != spec.devices:
+        note_parts.append(f"ran {per_node} ranks per node; {instance_type} has {spec.devices} devices, so "
+                          "per-instance throughput and cost understate a full node")
+    compile_start, compile_end = clock.compiles_at_start, clock.compiles_at_end
+    return BenchResult(
+        backend=backend.name,
+        device_kind=device_kind(backend, info),
+        instance_type=instance_type,
+        accelerator=accelerator,
+        accelerators_per_node=per_node,
+        nodes=nodes,
+        world_size=backend.world_size,
+        model_preset=cfg.model.preset,
+        model_overrides=dict(cfg.model.overrides),
+        resolution_px=int(lat_h) * VAE_DOWNSAMPLE,
+        latent_hw=[int(lat_h), int(lat_w)],
+        text_tokens=int(index.max_text_tokens),
+        precision=cfg.precision,
+        per_device_batch=cfg.data.batch_size,
+        grad_accum_steps=cfg.optim.grad_accum_steps,
+        global_batch=result.samples_per_step,
+        data=data_label or str(cfg.data.path),
+        bytes_per_sample=float(index.bytes_per_sample) if index.bytes_per_sample else None,
+        warmup_steps=warmup,
+        steps_timed=steps,
+        timed_seconds=seconds,
+        step_time_p50_s=percentile(timed, 50),
+        step_time_p90_s=percentile(timed, 90),
+        step_time_mean_s=seconds / steps,
+        samples_per_s_total=total,
+        samples_per_s_per_accelerator=per_accel,
+        samples_per_s_per_instance=total / nodes,
+        train_flops_per_sample=flops_per_sample,
+        peak_tflops_per_accelerator=peak,
+        peak_source=flops.ACCELERATORS[accelerator].source if peak is not None else None,
+        mfu=flops.mfu(flops_per_sample, per_accel, accelerator, cfg.precision),
+        peak_memory_bytes=backend.peak_memory_bytes(),
+        compile_count=compile_end["compiles"] if compile_end else None,
+        compile_seconds=compile_end["compile_seconds"] if compile_end else None,
+        compiles_in_timed_steps=(compile_end["compiles"] - compile_start["compiles"]
+                                 if compile_end and compile_start else None),
+        final_loss=result.final_loss,
+        versions=versions(),
+        timestamp=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        command=command,
+        notes="; ".join(note_parts),
+    )
+
+
+# ----- loop overhead vs a bare step (issue 4 part 8) -----------------------------------------
+
+#: the overhead check's default config: a small model whose bare fp32 CPU step takes >= 0.2 s
+OVERHEAD_CONFIG = Path(__file__).parent / "configs" / "bench-overhead-cpu.yaml"
+OVERHEAD_LIMIT = 1.10
+
+
+@dataclasses.dataclass(kw_only=True)
+class OverheadResult:
+    bare_step_s: float  # median bare forward+backward+optimizer step
+    loop_step_s: float  # median full loop step (loader, objective, clip, scheduler, logging)
+    ratio: float  # loop_step_s / bare_step_s
+    rounds: int
+    steps_per_round: int
+
+    def line(self) -> str:
+        return (f"loop step {self.loop_step_s * 1e3:.1f} ms / bare step {self.bare_step_s * 1e3:.1f} ms "
+                f"= {self.ratio:.3f}x (limit {OVERHEAD_LIMIT:.2f}x; medians of {self.rounds} x "
+                f"{self.steps_per_round} steps, interleaved)")
+
+
+def bare_steps(cfg: Any, batch: dict[str, Any], n: int) -> list[float]:
+    """n bare steps on one fixed batch: zero_grad, objective forward, backward, AdamW step."""
+    import torch
+
+    from training.model import build_model
+    from training.objective import RectifiedFlow
+    from training.optim import optimizer_factory
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model)
+    optimizer = optimizer_factory(cfg.optim)(model.parameters())
+    n_tokens = batch["text"].shape[1]
+    objective = RectifiedFlow(cfg.objective, vae_scaling_factor=1.0,
+                              null_text=torch.zeros(n_tokens, batch["text"].shape[2]),
+                              null_mask=torch.zeros(n_tokens, dtype=torch.long))
+    times = []
+    for _ in range(n + 1):  # +1: the first step allocates optimizer state
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        objective(model, batch).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+    return times[1:]
+
+
+def measure_overhead(cfg: Any, *, steps: int = 6, rounds: int = 3, work_dir: Path) -> OverheadResult:
+    """Median full-loop step vs median bare step, in the same process, interleaved in rounds
+    so that a neighbour's load on a shared machine hits both alike.
+
+    The loop runs as production does on CPU (GpuBackend, world size 1) with logging every
+    step (the worst case: one host read, a JSON line and TensorBoard scalars per step) and
+    gradient clipping on; checkpoints only at the forced end-of-run save (not timed).
+    """
+    import torch
+
+    from training.backends.gpu import GpuBackend
+    from training.data import FeatureLoader
+    from training.loop import train
+
+    if cfg.precision != "fp32":
+        raise UserError(f"precision: the overhead check runs in fp32 on CPU, got {cfg.precision}")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    loader = FeatureLoader(cfg.data.path, batch_size=cfg.data.batch_size, prefetch=0)
+    batch = next(loader)
+    loader.close()
+    bare: list[float] = []
+    loop: list[float] = []
+    for r in range(rounds):
+        bare += bare_steps(cfg, batch, steps)
+        run = dataclasses.replace(cfg, output_dir=str(work_dir / f"loop-{r}"), max_steps=steps + 1, log_every=1)
+        run.checkpoint = dataclasses.replace(cfg.checkpoint, resume="none", every_steps=0)
+        backend = GpuBackend(cfg.gpu, precision="fp32")
+        backend.init()
+        try:
+            loop += train(run, backend).step_times[1:]
+        finally:
+            backend.close()
+    bare_s, loop_s = statistics.median(bare), statistics.median(loop)
+    return OverheadResult(bare_step_s=bare_s, loop_step_s=loop_s, ratio=loop_s / bare_s, rounds=rounds,
+                          steps_per_round=steps)
+
+
+# ----- CLI ---------------------------------------------------------------------------------
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--backend", choices=("gpu", "trainium"), default="gpu")
+    p.add_argument("--config", help="training YAML (training/configs/*.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, as for the training entrypoints; repeatable")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=5, help="untimed optimizer steps first (compile, allocator)")
+    p.add_argument("--out", help="result JSON path (rank 0 writes it)")
+    p.add_argument("--synthetic", action="store_true",
+                   help="train on random features of the model's shapes instead of data.path")
+    p.add_argument("--text-tokens", type=int, default=DEFAULT_TEXT_TOKENS,
+                   help="padded caption length of synthetic features")
+    p.add_argument("--synthetic-samples", type=int, default=0,
+                   help="synthetic samples to write (default: 2 global batches, at least 16)")
+    p.add_argument("--work-dir", help="scratch for synthetic features and the run dir "
+                   "(default: $TMPDIR; node-local disk is right)")
+    p.add_argument("--instance-type", default=os.environ.get("SANA_INSTANCE_TYPE", "local"),
+                   help="SageMaker instance type, e.g. ml.p5.48xlarge (default $SANA_INSTANCE_TYPE or 'local')")
+    p.add_argument("--notes", default="", help="free text stored in the result")
+    p.add_argument("--overhead", action="store_true",
+                   help=f"instead: loop step vs bare step on CPU fp32 (limit {OVERHEAD_LIMIT}x)")
+    return p
+
+
+def _load_cfg(args: argparse.Namespace, config: str, output_dir: Path) -> Any:
+    from training.config import load_config
+
+    argv = ["--config", config, "--output-dir", str(output_dir)]
+    for item in args.overrides:
+        argv += ["--set", item]
+    return load_config(argv, prog="python -m training.bench")
+
+
+def main_overhead(args: argparse.Namespace, work: Path) -> OverheadResult:
+    cfg = _load_cfg(args, args.config or str(OVERHEAD_CONFIG), work / "run")
+    spec = synthetic_spec(cfg.model.model_kwargs(), args.text_tokens)
+    cfg.data.path = str(ensure_synthetic_features(work, spec, max(16, 2 * cfg.data.batch_size), write=True))
+    result = measure_overhead(cfg, work_dir=work)
+    print(result.line(), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dataclasses.asdict(result), indent=2) + "\n")
+    return result
+
+
+@exits_cleanly
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    root = Path(args.work_dir) if args.work_dir else Path(tempfile.gettempdir()) / "sana-bench"
+    root.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=root))
+    try:
+        if args.overhead:
+            main_overhead(args, work)
+            return
+        if not args.config or not args.out:
+            raise UserError("--config and --out: required (or use --overhead)")
+        cfg = _load_cfg(args, args.config, work / "run")
+        backend = make_backend(args.backend, cfg)
+        try:
+            backend.init()
+            data_label = None
+            if args.synthetic:
+                world = int(os.environ.get("WORLD_SIZE", backend.world_size))
+                samples = args.synthetic_samples or max(16, 2 * cfg.data.batch_size * world
+                                                        * cfg.optim.grad_accum_steps)
+                spec = synthetic_spec(cfg.model.model_kwargs(), args.text_tokens)
+                path = ensure_synthetic_features(root, spec, samples, write=backend.local_rank == 0)
+                backend.barrier()  # local rank 0 wrote the node's copy
+                cfg.data.path = str(path)
+                data_label = "synthetic"
+            command = "python -m training.bench " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+            result = run_bench(cfg, backend, steps=args.steps, warmup=args.warmup,
+                               instance_type=args.instance_type, data_label=data_label, command=command,
+                               notes=args.notes)
+        finally:
+            backend.close()
+        if result is not None:
+            result.save(args.out)
+            print(json.dumps({"out": str(args.out), "samples_per_s_total": round(result.samples_per_s_total, 3),
+                              "samples_per_s_per_accelerator": round(result.samples_per_s_per_accelerator, 3),
+                              "step_time_p50_s": round(result.step_time_p50_s, 4), "mfu": result.mfu}),
+                  flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
