@@ -1,0 +1,345 @@
+"""Cluster: execution role, lifecycle upload (content-hashed prefix) and the HyperPod Slurm cluster.
+
+Slurm is configured through the API (Orchestrator.Slurm + a SlurmConfig per instance
+group), not through the legacy provisioning_parameters.json written by lifecycle scripts.
+The lifecycle scripts and the training package are uploaded under
+``s3://<lifecycle bucket>/lifecycle/<hash>/`` where <hash> is a content hash of both trees:
+any change to either yields a new SourceS3Uri, so CloudFormation updates the cluster and
+nodes created afterwards run the new code (CONTRACT.md, "Platform <-> lifecycle contract").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aws_cdk as cdk
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_s3 as s3
+from aws_cdk import aws_s3_deployment as s3deploy
+from aws_cdk import aws_sagemaker as sagemaker
+from constructs import Construct
+
+from stacks.common import acknowledge
+from stacks.config import FSX_MOUNT, PlatformConfig
+from stacks.network import Network
+from stacks.storage import StorageStack, bucket_names
+
+REPO = Path(__file__).resolve().parents[1]
+LIFECYCLE_DIR = REPO / "lifecycle_scripts"
+TRAINING_DIR = REPO / "training"
+ON_CREATE = "on_create.sh"
+SETTINGS_FILE = "platform-settings.json"
+# Never uploaded: byte-code caches, tests, hidden files (editor/tool state).
+EXCLUDED_NAMES = ("__pycache__", "tests", ".*", "*.pyc")
+# https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-hyperpod-eks-resiliency-deep-health-checks.html
+DEEP_HEALTH_CHECKS = ["InstanceStress", "InstanceConnectivity"]
+
+
+def _excluded(rel: Path) -> bool:
+    return any(Path(part).match(pattern) for part in rel.parts for pattern in EXCLUDED_NAMES)
+
+
+def package_files(root: Path) -> Iterator[Path]:
+    """Files of ``root`` that are uploaded (same exclusions as the S3 deployment), sorted."""
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not _excluded(path.relative_to(root)):
+            yield path
+
+
+def package_hash(*roots: Path) -> str:
+    """16 hex digits of SHA-256 over (tree name, relative path, content) of every uploaded file."""
+    digest = hashlib.sha256()
+    for root in roots:
+        for path in package_files(root):
+            digest.update(f"{root.name}/{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClusterProps:
+    config: PlatformConfig
+    network: Network
+    storage: StorageStack
+    lifecycle_dir: Path = LIFECYCLE_DIR
+    training_dir: Path = TRAINING_DIR
+
+
+class PlatformBuckets(Construct):
+    """The storage stack's buckets, referenced by their deterministic names (no exports)."""
+
+    def __init__(self, scope: Construct, id: str, *, project: str, key: kms.IKey) -> None:
+        super().__init__(scope, id)
+        self.key = key
+        self.names = bucket_names(project)
+        self.data, self.artefacts, self.lifecycle = (
+            s3.Bucket.from_bucket_attributes(self, kind.capitalize(), bucket_name=self.names[kind], encryption_key=key)
+            for kind in ("data", "artefacts", "lifecycle"))
+
+
+def nag_bucket_arn(project: str, kind: str) -> str:
+    """A platform bucket's ARN as cdk-nag prints it in finding IDs (pseudo parameters in <>)."""
+    name = bucket_names(project)[kind]
+    for token, text in ((cdk.Aws.ACCOUNT_ID, "<AWS::AccountId>"), (cdk.Aws.REGION, "<AWS::Region>")):
+        name = name.replace(token, text)
+    return f"arn:<AWS::Partition>:s3:::{name}"
+
+
+class ExecutionRole(Construct):
+    """The role every HyperPod node assumes: the HyperPod managed policy + this platform only."""
+
+    def __init__(self, scope: Construct, id: str, *, props: ClusterProps, buckets: PlatformBuckets) -> None:
+        super().__init__(scope, id)
+        net = props.network
+        # Pseudo parameters rather than stack.account/region: the ARNs (and so the audit's
+        # finding IDs) read the same whether or not the stacks are pinned to an environment.
+        ec2_arn = f"arn:{cdk.Aws.PARTITION}:ec2:{cdk.Aws.REGION}:{cdk.Aws.ACCOUNT_ID}"
+        eni_arn = f"{ec2_arn}:network-interface/*"
+        subnet_arn = f"{ec2_arn}:subnet/{net.cluster_subnet.ref}"
+        sg_arn = f"{ec2_arn}:security-group/{net.security_group.security_group_id}"
+        self.policy = iam.ManagedPolicy(self, "PlatformAccess", statements=[
+            iam.PolicyStatement(
+                sid="ReadLifecycleScripts",
+                actions=["s3:GetObject"],
+                resources=[buckets.lifecycle.arn_for_objects("lifecycle/*")]),
+            iam.PolicyStatement(
+                sid="ListPlatformBuckets",
+                actions=["s3:ListBucket", "s3:GetBucketLocation"],
+                resources=[buckets.lifecycle.bucket_arn, buckets.data.bucket_arn, buckets.artefacts.bucket_arn]),
+            iam.PolicyStatement(
+                sid="ReadWriteDataAndArtefacts",
+                actions=["s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload",
+                         "s3:ListMultipartUploadParts"],
+                resources=[buckets.data.arn_for_objects("*"), buckets.artefacts.arn_for_objects("*")]),
+            iam.PolicyStatement(
+                sid="UsePlatformKey",
+                actions=["kms:Decrypt", "kms:Encrypt", "kms:GenerateDataKey", "kms:DescribeKey"],
+                resources=[buckets.key.key_arn]),
+            # HyperPod attaches the nodes' ENIs in the customer VPC as this role
+            # (docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-hyperpod-prerequisites-iam.html).
+            iam.PolicyStatement(
+                sid="CreateNodeInterfacesInClusterSubnet",
+                actions=["ec2:CreateNetworkInterface"],
+                resources=[eni_arn, subnet_arn, sg_arn]),
+            iam.PolicyStatement(
+                sid="ManageNodeInterfaces",
+                actions=["ec2:AssignPrivateIpAddresses", "ec2:CreateNetworkInterfacePermission",
+                         "ec2:DeleteNetworkInterface", "ec2:DeleteNetworkInterfacePermission",
+                         "ec2:DetachNetworkInterface"],
+                resources=[eni_arn]),
+            iam.PolicyStatement(
+                sid="TagNodeInterfacesOnCreate",
+                actions=["ec2:CreateTags"],
+                resources=[eni_arn],
+                conditions={"StringEquals": {"ec2:CreateAction": "CreateNetworkInterface"}}),
+            iam.PolicyStatement(
+                sid="DescribeNetwork",
+                actions=["ec2:DescribeNetworkInterfaces", "ec2:DescribeVpcs", "ec2:DescribeDhcpOptions",
+                         "ec2:DescribeSubnets", "ec2:DescribeSecurityGroups"],
+                resources=["*"]),
+        ])
+        self.role = iam.Role(
+            self, "Role",
+            assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
+            description="HyperPod cluster nodes: managed instance policy + this platform's buckets and key",
+            managed_policies=[
+                iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSageMakerClusterInstanceRolePolicy"),
+                self.policy,
+            ],
+        )
+        acknowledge(self.role, "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/"
+                    "AmazonSageMakerClusterInstanceRolePolicy]",
+                    "HyperPod requires this AWS managed policy on the cluster execution role (node agent, "
+                    "CloudWatch logs/metrics under /aws/sagemaker/Clusters, lifecycle buckets named "
+                    "sagemaker-*); AWS maintains it as the service evolves.")
+        self._acknowledge_wildcards(props.config.projectName)
+
+    def _acknowledge_wildcards(self, project: str) -> None:
+        """Each object/ENI wildcard is scoped to exactly one platform bucket or to ENIs of this account/region."""
+        reasons = {
+            "Resource::*": "ec2:Describe* actions do not support resource-level permissions "
+                           "(Service Authorization Reference, Amazon EC2); they are read-only.",
+            "Resource::arn:<AWS::Partition>:ec2:<AWS::Region>:<AWS::AccountId>:network-interface/*":
+                "HyperPod creates node ENIs whose IDs are not known in advance; scoped to ENIs in this "
+                "account and region, and creation is further limited to the cluster subnet and group.",
+        }
+        for kind, what in (("lifecycle", "lifecycle/"), ("data", ""), ("artefacts", "")):
+            reasons[f"Resource::{nag_bucket_arn(project, kind)}/{what}*"] = (
+                "Object-level access within exactly one platform bucket (the objects are created by "
+                "training jobs at run time); the bucket itself is named, never s3:*.")
+        for finding, reason in reasons.items():
+            acknowledge(self.policy, f"AwsSolutions::AwsSolutions-IAM5[{finding}]", reason)
+
+
+class LifecycleUpload(Construct):
+    """Uploads lifecycle_scripts/ + training/ + platform-settings.json under lifecycle/<hash>/.
+
+    BucketDeployment (a CDK-managed Lambda) is used because HyperPod needs the scripts as
+    plain objects under an S3 prefix in a sagemaker-* bucket, while CDK file assets land
+    zipped in the bootstrap bucket. prune=False: the two deployments share one prefix and
+    the prefix is immutable per hash, so there is nothing to prune.
+    """
+
+    def __init__(self, scope: Construct, id: str, *, props: ClusterProps, buckets: PlatformBuckets) -> None:
+        super().__init__(scope, id)
+        cfg = props.config
+        self.package_hash = package_hash(props.lifecycle_dir, props.training_dir)
+        self.prefix = f"lifecycle/{self.package_hash}/"
+        self.source_s3_uri = f"s3://{buckets.lifecycle.bucket_name}/{self.prefix}"
+        self.settings = cfg.settings(
+            region=cdk.Stack.of(self).region, data_bucket=buckets.data.bucket_name,
+            artefacts_bucket=buckets.artefacts.bucket_name, lifecycle_bucket=buckets.lifecycle.bucket_name,
+            package_hash=self.package_hash)
+        common = dict(destination_bucket=buckets.lifecycle, prune=False, retain_on_delete=True,
+                      memory_limit=512)
+        self.scripts = s3deploy.BucketDeployment(
+            self, "Scripts",
+            sources=[s3deploy.Source.asset(str(props.lifecycle_dir), exclude=list(EXCLUDED_NAMES)),
+                     s3deploy.Source.json_data(SETTINGS_FILE, self.settings)],
+            destination_key_prefix=self.prefix, **common)
+        self.package = s3deploy.BucketDeployment(
+            self, "TrainingPackage",
+            sources=[s3deploy.Source.asset(str(props.training_dir), exclude=list(EXCLUDED_NAMES))],
+            destination_key_prefix=f"{self.prefix}{props.training_dir.name}/", **common)
+
+
+class Cluster(Construct):
+    """AWS::SageMaker::Cluster with Slurm orchestration and the controller/login/gpu/trn groups."""
+
+    def __init__(self, scope: Construct, id: str, *, props: ClusterProps) -> None:
+        super().__init__(scope, id)
+        cfg = props.config
+        self.buckets = PlatformBuckets(self, "Buckets", project=cfg.projectName, key=props.storage.buckets.key)
+        self.execution_role = ExecutionRole(self, "ExecutionRole", props=props, buckets=self.buckets)
+        self.upload = LifecycleUpload(self, "Lifecycle", props=props, buckets=self.buckets)
+        fs = props.storage.file_system
+        self.fsx_mount = sagemaker.CfnCluster.ClusterInstanceStorageConfigProperty(
+            fsx_lustre_config=sagemaker.CfnCluster.ClusterFsxLustreConfigProperty(
+                dns_name=fs.dns_name, mount_name=fs.mount_name, mount_path=FSX_MOUNT))
+        specs = {
+            "controller": (cfg.controllerInstanceType, cfg.controllerInstanceCount, cfg.controllerEbsGiB,
+                           "Controller", None),
+            "login": (cfg.loginInstanceType, cfg.loginInstanceCount, cfg.loginEbsGiB, "Login", None),
+            "gpu": (cfg.gpuInstanceType, cfg.gpuInstanceCount, cfg.gpuEbsGiB, "Compute", "gpu"),
+            "trn": (cfg.trnInstanceType, cfg.trnInstanceCount, cfg.trnEbsGiB, "Compute", "trn"),
+        }
+        groups = [self._group(name, *specs[name], cfg=cfg) for name in cfg.groups]
+        self.cluster = sagemaker.CfnCluster(
+            self, "Resource",
+            cluster_name=cfg.clusterName,
+            instance_groups=groups,
+            orchestrator=sagemaker.CfnCluster.OrchestratorProperty(
+                # Managed: HyperPod owns slurm.conf (nodes, partitions) from the SlurmConfig
+                # below and keeps it in sync as groups scale.
+                slurm=sagemaker.CfnCluster.ClusterOrchestratorSlurmConfigProperty(slurm_config_strategy="Managed")),
+            node_recovery=cfg.nodeRecovery,
+            vpc_config=sagemaker.CfnCluster.VpcConfigProperty(
+                security_group_ids=[props.network.security_group.security_group_id],
+                subnets=[props.network.cluster_subnet.ref]),
+        )
+        # The cluster must not be created before its lifecycle objects exist in S3.
+        self.cluster.node.add_dependency(self.upload.scripts, self.upload.package)
+
+    def _group(self, name: str, instance_type: str, count: int, ebs_gib: int, node_type: str,
+               partition: str | None, *, cfg: PlatformConfig) -> sagemaker.CfnCluster.ClusterInstanceGroupProperty:
+        accelerator = partition is not None
+        return sagemaker.CfnCluster.ClusterInstanceGroupProperty(
+            instance_group_name=name,
+            instance_type=instance_type,
+            instance_count=count,
+            execution_role=self.execution_role.role.role_arn,
+            life_cycle_config=sagemaker.CfnCluster.ClusterLifeCycleConfigProperty(
+                on_create=ON_CREATE, source_s3_uri=self.upload.source_s3_uri),
+            slurm_config=sagemaker.CfnCluster.ClusterSlurmConfigProperty(
+                node_type=node_type, partition_names=[partition] if partition else None),
+            instance_storage_configs=[
+                sagemaker.CfnCluster.ClusterInstanceStorageConfigProperty(
+                    ebs_volume_config=sagemaker.CfnCluster.ClusterEbsVolumeConfigProperty(volume_size_in_gb=ebs_gib)),
+                self.fsx_mount,
+            ],
+            # One thread per core on accelerator hosts: training is accelerator-bound and the
+            # host cores feed data loaders; SMT adds jitter (HyperPod's own recommendation).
+            threads_per_core=1 if accelerator else None,
+            on_start_deep_health_checks=DEEP_HEALTH_CHECKS if accelerator and cfg.deepHealthChecks else None,
+        )
+
+
+class ClusterStack(cdk.Stack):
+    """The expensive part; `cdk destroy <project>-cluster` removes it and keeps data and network."""
+
+    def __init__(self, scope: Construct, id: str, *, config: PlatformConfig, network: Network,
+                 storage: StorageStack, **kwargs) -> None:
+        super().__init__(scope, id, **kwargs)
+        self.cluster = Cluster(self, "Cluster", props=ClusterProps(config=config, network=network, storage=storage))
+        self._acknowledge_deployment_handler(config)
+        buckets, fs, upload = self.cluster.buckets, storage.file_system, self.cluster.upload
+        outputs = {
+            "ClusterName": (config.clusterName, "HyperPod cluster name (aws sagemaker describe-cluster --cluster-name ...)"),
+            "ClusterArn": (self.cluster.cluster.attr_cluster_arn, "HyperPod cluster ARN"),
+            "DataBucket": (buckets.data.bucket_name, "Raw data and precomputed feature shards"),
+            "ArtefactsBucket": (buckets.artefacts.bucket_name, "Checkpoints, exports, reports, compile caches"),
+            "LifecycleBucket": (buckets.lifecycle.bucket_name, "Lifecycle scripts and the training package"),
+            "LifecycleUri": (upload.source_s3_uri, "LifeCycleConfig.SourceS3Uri of every instance group"),
+            "FsxDnsName": (fs.dns_name, "FSx for Lustre DNS name"),
+            "FsxMountName": (fs.mount_name, f"FSx for Lustre mount name (mounted at {FSX_MOUNT})"),
+            "FeaturesUri": (f"s3://{buckets.data.bucket_name}/features/",
+                            "data.path for training configs (also visible on /fsx/data/features)"),
+            "CheckpointMirrorUri": (f"s3://{buckets.artefacts.bucket_name}/checkpoints/",
+                                    "checkpoint.s3_mirror for training configs"),
+            "NeuronCompileCacheUri": (f"s3://{buckets.artefacts.bucket_name}/neuron-compile-cache/",
+                                      "Neuron persistent compile cache URL"),
+            "ReportsUri": (f"s3://{buckets.artefacts.bucket_name}/reports/", "bench results and reports"),
+        }
+        for key, (value, description) in outputs.items():
+            cdk.CfnOutput(self, key, value=value, description=description)
+
+    def _acknowledge_deployment_handler(self, config: PlatformConfig) -> None:
+        """Findings on the Lambda that BucketDeployment brings (see runbooks/compliance.md).
+
+        The handler is CDK's own singleton; its role and grants are generated by aws-cdk-lib.
+        """
+        handler = next(c for c in self.node.children if c.node.id.startswith("Custom::CDKBucketDeployment"))
+        fn = handler.node.default_child
+        role = handler.node.find_child("ServiceRole")
+        policy = role.node.find_child("DefaultPolicy").node.default_child
+        deploy_only = ("CDK's BucketDeployment handler runs only during `cdk deploy` to copy the lifecycle "
+                       "scripts and training package into S3; it handles no PHI or training data. ")
+        acknowledge(fn, "AwsSolutions::AwsSolutions-L1", deploy_only +
+                    "Its runtime is chosen and updated by the pinned aws-cdk-lib release.")
+        acknowledge(fn, "HIPAA.Security::HIPAA.Security-LambdaConcurrency", deploy_only +
+                    "It is invoked once per deployment by CloudFormation; reserved concurrency adds nothing.")
+        acknowledge(fn, "HIPAA.Security::HIPAA.Security-LambdaDLQ", deploy_only +
+                    "CloudFormation invokes it synchronously and fails the deployment on error; "
+                    "there is no asynchronous event to dead-letter.")
+        acknowledge(fn, "HIPAA.Security::HIPAA.Security-LambdaInsideVPC", deploy_only +
+                    "It only talks to S3 and the CloudFormation response URL; placing it in the cluster "
+                    "VPC would add a path into the VPC for no benefit.")
+        acknowledge(role.node.default_child,
+                    "AwsSolutions::AwsSolutions-IAM4[Policy::arn:<AWS::Partition>:iam::aws:policy/service-role/"
+                    "AWSLambdaBasicExecutionRole]", deploy_only +
+                    "The AWS managed basic execution policy only lets it write its own CloudWatch logs.")
+        acknowledge(policy, "HIPAA.Security::HIPAA.Security-IAMNoInlinePolicy", deploy_only +
+                    "aws-cdk-lib attaches its generated grants as the role's inline default policy; the "
+                    "role is used by nothing else.")
+        account = config.account or "<AWS::AccountId>"
+        region = config.region or "<AWS::Region>"
+        assets = f"arn:<AWS::Partition>:s3:::cdk-hnb659fds-assets-{account}-{region}/*"
+        wildcards = {
+            "Action::s3:GetBucket*": "CDK grant: read the bootstrap asset bucket and the lifecycle bucket.",
+            "Action::s3:GetObject*": "CDK grant: read the zipped asset and the lifecycle objects.",
+            "Action::s3:List*": "CDK grant: list the bootstrap asset bucket and the lifecycle bucket.",
+            "Action::s3:Abort*": "CDK grant: abort its own multipart uploads into the lifecycle bucket.",
+            "Action::s3:DeleteObject*": "CDK grant on the lifecycle bucket (used only when pruning, which is off).",
+            "Action::kms:GenerateDataKey*": "CDK grant: encrypt uploads with the platform key of the lifecycle bucket.",
+            "Action::kms:ReEncrypt*": "CDK grant on the platform key of the lifecycle bucket (copy between prefixes).",
+            f"Resource::{assets}": "Objects of the CDK bootstrap asset bucket, where `cdk deploy` puts the zipped "
+                                   "scripts (asset object keys are content hashes not known in advance).",
+            f"Resource::{nag_bucket_arn(config.projectName, 'lifecycle')}/*":
+                "Objects of exactly the platform's lifecycle bucket (the destination).",
+        }
+        for finding, reason in wildcards.items():
+            acknowledge(policy, f"AwsSolutions::AwsSolutions-IAM5[{finding}]", deploy_only + reason)

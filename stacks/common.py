@@ -1,0 +1,23 @@
+"""Small helpers shared by the stack modules."""
+
+from __future__ import annotations
+
+import aws_cdk as cdk
+from constructs import IConstruct
+
+from stacks.config import PlatformConfig
+
+
+def removal_policy(cfg: PlatformConfig) -> cdk.RemovalPolicy:
+    """dataRemovalPolicy -> the CDK removal policy for buckets, the key and FSx."""
+    return cdk.RemovalPolicy.RETAIN if cfg.dataRemovalPolicy == "retain" else cdk.RemovalPolicy.DESTROY
+
+
+def acknowledge(construct: IConstruct, rule: str, reason: str) -> None:
+    """Acknowledge one cdk-nag finding on exactly this construct (listed in runbooks/compliance.md).
+
+    ``rule`` is the finding ID as the validation report prints it, e.g.
+    ``AwsSolutions::AwsSolutions-S1`` or ``AwsSolutions::AwsSolutions-IAM5[Resource::*]``
+    (cdk-nag 3 acknowledges each finding separately; there is no rule-wide wildcard).
+    """
+    cdk.Validations.of(construct).acknowledge(cdk.Acknowledgment(id=rule, reason=reason))

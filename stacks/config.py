@@ -1,0 +1,308 @@
+"""PlatformConfig: the typed, validated platform configuration read from CDK context.
+
+Every field maps to one flat context key (``cdk.json`` -> ``context``, overridable with
+``cdk synth -c key=value``). Values from ``-c`` arrive as strings, so integers and booleans
+are parsed here. A bad value raises :class:`ConfigError` whose message is ONE line naming
+the context key, the value and what is allowed; ``app.py`` prints exactly that line.
+
+This module deliberately imports nothing from aws_cdk: it is plain data + validation, so
+it is fast to test and usable from the audit and docs tooling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Instance types HyperPod offers per role (SageMaker "ml." names). Sources: the HyperPod
+# supported-instances list (docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-hyperpod-prerequisites.html)
+# and cfn-lint's AWS::SageMaker::Cluster instance-type data (cfnlint/data/schemas/extensions/
+# aws_sagemaker_cluster/instancetype_enum.json, from the pricing API).
+GPU_INSTANCE_TYPES: tuple[str, ...] = (
+    "ml.p5.48xlarge", "ml.p5e.48xlarge", "ml.p5en.48xlarge", "ml.p4d.24xlarge", "ml.p4de.24xlarge",
+    "ml.p6-b200.48xlarge",
+    "ml.g5.xlarge", "ml.g5.2xlarge", "ml.g5.4xlarge", "ml.g5.8xlarge", "ml.g5.12xlarge",
+    "ml.g5.16xlarge", "ml.g5.24xlarge", "ml.g5.48xlarge",
+    "ml.g6e.12xlarge", "ml.g6e.24xlarge", "ml.g6e.48xlarge",
+)
+TRAINIUM_INSTANCE_TYPES: tuple[str, ...] = (
+    "ml.trn1.32xlarge", "ml.trn1n.32xlarge", "ml.trn2.48xlarge", "ml.trn2.3xlarge",
+)
+# Head nodes (Slurm controller, login): general-purpose / compute-optimised CPU instances.
+CPU_INSTANCE_TYPES: tuple[str, ...] = tuple(
+    f"ml.{family}.{size}"
+    for family, sizes in (
+        ("m5", ("large", "xlarge", "2xlarge", "4xlarge", "8xlarge", "12xlarge", "16xlarge", "24xlarge")),
+        ("m6i", ("large", "xlarge", "2xlarge", "4xlarge", "8xlarge", "12xlarge", "16xlarge", "24xlarge",
+                 "32xlarge")),
+        ("c5", ("large", "xlarge", "2xlarge", "4xlarge", "9xlarge", "12xlarge", "18xlarge", "24xlarge")),
+        ("t3", ("medium", "large", "xlarge", "2xlarge")),
+    )
+    for size in sizes
+)
+
+# FSx for Lustre PERSISTENT_2 (docs.aws.amazon.com/fsx/latest/LustreGuide/managing-storage-capacity.html):
+# 1200 GiB, or any multiple of 2400 GiB; per-unit throughput in MB/s/TiB.
+FSX_THROUGHPUTS: tuple[int, ...] = (125, 250, 500, 1000)
+NODE_RECOVERY: tuple[str, ...] = ("Automatic", "None")
+REMOVAL_POLICIES: tuple[str, ...] = ("retain", "destroy")
+# HyperPod ClusterName pattern (AWS::SageMaker::Cluster schema).
+CLUSTER_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+# Lower case because it becomes part of S3 bucket names; <= 20 so that
+# "sagemaker-<project>-lc-<account>-<region>" stays within S3's 63 characters.
+PROJECT_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,18}[a-z0-9]$")
+ACCOUNT_RE = re.compile(r"^\d{12}$")
+REGION_RE = re.compile(r"^[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-\d$")
+AZ_ID_RE = re.compile(r"^[a-z]{3,5}\d-az\d{1,2}$")
+_DIRECTIONS = {"north": "n", "south": "s", "east": "e", "west": "w", "central": "c",
+               "northeast": "ne", "northwest": "nw", "southeast": "se", "southwest": "sw"}
+MAX_GROUP_COUNT = 1000
+
+
+class ConfigError(ValueError):
+    """A bad context value. ``str(err)`` is one line: key, value, what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"invalid context value {key}={value!r}: {allowed}")
+
+
+def az_id_prefix(region: str) -> str | None:
+    """The AZ-ID prefix of a region ("us-east-1" -> "use1", "ap-northeast-1" -> "apne1").
+
+    AZ IDs (unlike AZ names) are the same in every account, which is why capacity
+    reservations and HyperPod's instance availability are stated in AZ IDs.
+    """
+    parts = region.split("-")
+    if len(parts) != 3 or parts[1] not in _DIRECTIONS:
+        return None
+    return f"{parts[0]}{_DIRECTIONS[parts[1]]}{parts[2]}"
+
+
+def _one_of(key: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(key, value, "allowed: " + ", ".join(str(a) for a in allowed))
+
+
+def _count(key: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ConfigError(key, value, f"allowed: an integer from {low} to {high}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class PlatformConfig:
+    """The whole platform's settings; one field per context key (see runbooks/configure.md)."""
+
+    projectName: str = "sana"
+    """Prefix of stack and bucket names and the value of the `project` tag."""
+    clusterName: str = "sana-hyperpod"
+    """HyperPod cluster name; changing it replaces the cluster."""
+    account: str = ""
+    """12-digit AWS account to pin the stacks to; empty = environment-agnostic."""
+    region: str = ""
+    """AWS region to pin the stacks to; empty = environment-agnostic (the CLI's region)."""
+    availabilityZoneId: str = "use1-az4"
+    """AZ ID (e.g. use1-az4) of the one subnet all nodes and FSx live in (EFA needs one AZ)."""
+    vpcCidr: str = "10.0.0.0/16"
+    """IPv4 CIDR of the VPC, /16 to /22; half goes to the cluster subnet."""
+    fsxStorageGiB: int = 1200
+    """FSx for Lustre PERSISTENT_2 capacity: 1200 or a multiple of 2400 GiB."""
+    fsxThroughputPerTiB: int = 250
+    """FSx per-unit storage throughput, MB/s per TiB."""
+    controllerInstanceType: str = "ml.m5.2xlarge"
+    controllerInstanceCount: int = 1
+    """Exactly one Slurm controller (slurmctld) per cluster."""
+    loginInstanceType: str = "ml.m5.4xlarge"
+    loginInstanceCount: int = 1
+    """0 = no login group (users then reach the controller with SSM)."""
+    gpuInstanceType: str = "ml.p5.48xlarge"
+    gpuInstanceCount: int = 1
+    """0 = no GPU group."""
+    trnInstanceType: str = "ml.trn1.32xlarge"
+    trnInstanceCount: int = 1
+    """0 = no Trainium group."""
+    controllerEbsGiB: int = 500
+    loginEbsGiB: int = 500
+    gpuEbsGiB: int = 500
+    trnEbsGiB: int = 500
+    """Secondary EBS volume per node in each group (mounted by HyperPod at /opt/sagemaker)."""
+    deepHealthChecks: bool = True
+    """Run InstanceStress + InstanceConnectivity deep health checks when accelerator nodes start."""
+    nodeRecovery: str = "Automatic"
+    """Automatic = HyperPod replaces or reboots faulty nodes; None = only labels them."""
+    dataRemovalPolicy: str = "retain"
+    """retain = buckets, key and FSx survive `cdk destroy`; destroy = deleted with the stacks."""
+
+    def __post_init__(self) -> None:
+        if not PROJECT_NAME_RE.match(self.projectName):
+            raise ConfigError("projectName", self.projectName,
+                              "allowed: 2-20 characters, lower-case letters, digits and '-', "
+                              "starting with a letter (it becomes part of S3 bucket names)")
+        if not CLUSTER_NAME_RE.match(self.clusterName):
+            raise ConfigError("clusterName", self.clusterName,
+                              "allowed: 1-63 letters, digits and single or repeated '-' between them "
+                              "(HyperPod pattern ^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$)")
+        if self.account and not ACCOUNT_RE.match(self.account):
+            raise ConfigError("account", self.account, "allowed: empty or a 12-digit AWS account ID")
+        if self.region and not REGION_RE.match(self.region):
+            raise ConfigError("region", self.region, "allowed: empty or an AWS region name such as us-east-1")
+        self._check_az()
+        self._check_cidr()
+        if not (self.fsxStorageGiB == 1200 or (self.fsxStorageGiB > 0 and self.fsxStorageGiB % 2400 == 0)):
+            raise ConfigError("fsxStorageGiB", self.fsxStorageGiB,
+                              "allowed: 1200 or a multiple of 2400 (FSx for Lustre PERSISTENT_2)")
+        _one_of("fsxThroughputPerTiB", self.fsxThroughputPerTiB, FSX_THROUGHPUTS)
+        _one_of("controllerInstanceType", self.controllerInstanceType, CPU_INSTANCE_TYPES)
+        _one_of("loginInstanceType", self.loginInstanceType, CPU_INSTANCE_TYPES)
+        if self.gpuInstanceType in TRAINIUM_INSTANCE_TYPES:
+            raise ConfigError("gpuInstanceType", self.gpuInstanceType,
+                              "a Trainium type is not allowed in the GPU group (set trnInstanceType instead); "
+                              "allowed: " + ", ".join(GPU_INSTANCE_TYPES))
+        if self.trnInstanceType in GPU_INSTANCE_TYPES:
+            raise ConfigError("trnInstanceType", self.trnInstanceType,
+                              "a GPU type is not allowed in the Trainium group (set gpuInstanceType instead); "
+                              "allowed: " + ", ".join(TRAINIUM_INSTANCE_TYPES))
+        _one_of("gpuInstanceType", self.gpuInstanceType, GPU_INSTANCE_TYPES)
+        _one_of("trnInstanceType", self.trnInstanceType, TRAINIUM_INSTANCE_TYPES)
+        if self.controllerInstanceCount != 1:
+            raise ConfigError("controllerInstanceCount", self.controllerInstanceCount,
+                              "allowed: 1 (a Slurm cluster has exactly one controller group of one node)")
+        _count("loginInstanceCount", self.loginInstanceCount, 0, 4)
+        _count("gpuInstanceCount", self.gpuInstanceCount, 0, MAX_GROUP_COUNT)
+        _count("trnInstanceCount", self.trnInstanceCount, 0, MAX_GROUP_COUNT)
+        if self.gpuInstanceCount == 0 and self.trnInstanceCount == 0:
+            raise ConfigError("gpuInstanceCount", 0,
+                              "at least one worker group is needed: set gpuInstanceCount or "
+                              "trnInstanceCount to 1 or more")
+        for key in ("controllerEbsGiB", "loginEbsGiB", "gpuEbsGiB", "trnEbsGiB"):
+            _count(key, getattr(self, key), 1, 16384)
+        _one_of("nodeRecovery", self.nodeRecovery, NODE_RECOVERY)
+        _one_of("dataRemovalPolicy", self.dataRemovalPolicy, REMOVAL_POLICIES)
+
+    def _check_az(self) -> None:
+        if not AZ_ID_RE.match(self.availabilityZoneId):
+            raise ConfigError("availabilityZoneId", self.availabilityZoneId,
+                              "allowed: an availability zone ID such as use1-az4 (an ID, not a name "
+                              "like us-east-1a; see `aws ec2 describe-availability-zones`)")
+        prefix = az_id_prefix(self.region) if self.region else None
+        if prefix and not self.availabilityZoneId.startswith(prefix + "-"):
+            raise ConfigError("availabilityZoneId", self.availabilityZoneId,
+                              f"allowed: an AZ ID of region {self.region}, i.e. {prefix}-az<N>")
+
+    def _check_cidr(self) -> None:
+        try:
+            net = ipaddress.IPv4Network(self.vpcCidr, strict=True)
+        except ValueError:
+            net = None
+        if net is None or not 16 <= net.prefixlen <= 22 or not net.is_private:
+            raise ConfigError("vpcCidr", self.vpcCidr,
+                              "allowed: a private IPv4 network from /16 to /22, e.g. 10.0.0.0/16")
+
+    # ---- derived values -------------------------------------------------------------
+    @property
+    def groups(self) -> dict[str, str]:
+        """Instance group name -> role, in creation order; groups with 0 nodes are absent."""
+        out = {"controller": "controller"}
+        if self.loginInstanceCount:
+            out["login"] = "login"
+        if self.gpuInstanceCount:
+            out["gpu"] = "gpu"
+        if self.trnInstanceCount:
+            out["trn"] = "trn"
+        return out
+
+    @property
+    def private_subnet_cidr(self) -> str:
+        """First half of the VPC: the cluster + FSx subnet (EFA and HyperPod need many IPs)."""
+        return str(next(ipaddress.IPv4Network(self.vpcCidr).subnets(prefixlen_diff=1)))
+
+    @property
+    def public_subnet_cidr(self) -> str:
+        """A /28 (16 addresses) at the start of the second half: only the NAT gateway lives there."""
+        second_half = list(ipaddress.IPv4Network(self.vpcCidr).subnets(prefixlen_diff=1))[1]
+        return str(next(second_half.subnets(new_prefix=28)))
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_context(cls, get: Callable[[str], Any] | Mapping[str, Any]) -> PlatformConfig:
+        """Build from CDK context; ``get`` is ``app.node.try_get_context`` or a dict.
+
+        Missing keys take the defaults above. Strings from ``-c key=value`` are coerced to
+        the field's type; anything that does not parse raises a one-line ConfigError.
+        """
+        lookup = get.get if isinstance(get, Mapping) else get
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = lookup(field.name)
+            if raw is None:
+                continue
+            values[field.name] = _coerce(field.name, raw, field.type)
+        return cls(**values)
+
+    def settings(self, *, region: str, data_bucket: str, artefacts_bucket: str, lifecycle_bucket: str,
+                 package_hash: str) -> dict[str, Any]:
+        """platform-settings.json exactly as CONTRACT.md fixes it (nodes read it at creation)."""
+        return {
+            "project": self.projectName,
+            "cluster_name": self.clusterName,
+            "region": region,
+            "fsx_mount": FSX_MOUNT,
+            "groups": self.groups,
+            "data_bucket": data_bucket,
+            "artefacts_bucket": artefacts_bucket,
+            "lifecycle_bucket": lifecycle_bucket,
+            "package_hash": package_hash,
+            "neuron_pip_index": NEURON_PIP_INDEX,
+            "rendezvous_port": RENDEZVOUS_PORT,
+            "envs": {"gpu": f"{FSX_MOUNT}/envs/gpu", "neuron": f"{FSX_MOUNT}/envs/neuron"},
+        }
+
+
+FSX_MOUNT = "/fsx"
+NEURON_PIP_INDEX = "https://pip.repos.neuron.amazonaws.com"
+RENDEZVOUS_PORT = 29500
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _coerce(key: str, raw: Any, typ: Any) -> Any:
+    """Coerce one context value (native JSON from cdk.json, or a string from ``-c``)."""
+    if typ in (bool, "bool"):
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+            return raw.strip().lower() in _TRUE
+        raise ConfigError(key, raw, "allowed: true or false")
+    if typ in (int, "int"):
+        if isinstance(raw, bool):
+            raise ConfigError(key, raw, "allowed: an integer")
+        if isinstance(raw, int):
+            return raw
+        if isinstance(raw, float) and raw.is_integer():
+            return int(raw)
+        if isinstance(raw, str) and re.fullmatch(r"\s*[+-]?\d+\s*", raw):
+            return int(raw)
+        raise ConfigError(key, raw, "allowed: an integer")
+    if not isinstance(raw, str):
+        raise ConfigError(key, raw, "allowed: a string")
+    return raw.strip()
+
+
+def check_known_keys(context: Mapping[str, Any]) -> None:
+    """Reject a mistyped platform key (``-c gpuInstanceCont=2`` must not be silently ignored).
+
+    CDK's own keys (feature flags ``@aws-cdk/...``, ``aws:cdk:...`` and other namespaced keys
+    containing ':' or '/') are left alone.
+    """
+    known = set(PlatformConfig.keys())
+    for key, value in context.items():
+        if key in known or key.startswith("@") or ":" in key or "/" in key:
+            continue
+        raise ConfigError(key, value, "unknown context key; known keys: " + ", ".join(sorted(known)))

@@ -1,0 +1,173 @@
+"""Network: VPC, the cluster subnet in one AZ, NAT egress, S3 endpoint, flow logs, the EFA security group.
+
+All nodes and the FSx file system sit in ONE private subnet of ONE availability zone: EFA
+traffic does not cross AZs and HyperPod places an instance group in the subnets it is given.
+The subnet is pinned by AZ *ID* (e.g. use1-az4) rather than AZ name because AZ names are
+shuffled per account while capacity (p5, trn) is stated per AZ ID. ec2.Vpc's L2 subnets only
+take AZ names, so the subnets, routes and NAT are L1 resources; the L2 Vpc still provides
+the closed default security group and the flow log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import aws_cdk as cdk
+from aws_cdk import aws_ec2 as ec2
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_s3 as s3
+from constructs import Construct
+
+from stacks.common import acknowledge, removal_policy
+from stacks.config import PlatformConfig
+
+ACCESS_LOG_PREFIX = "s3-access-logs/"
+FLOW_LOG_PREFIX = "vpc-flow-logs/"
+
+
+@dataclass(kw_only=True, frozen=True)
+class NetworkProps:
+    cidr: str
+    az_id: str
+    cluster_subnet_cidr: str
+    nat_subnet_cidr: str
+    removal_policy: cdk.RemovalPolicy
+
+
+class AccessLogBucket(Construct):
+    """The one bucket that receives S3 server access logs and VPC flow logs.
+
+    SSE-S3, not SSE-KMS: S3 server access log delivery only supports SSE-S3 destinations
+    (docs.aws.amazon.com/AmazonS3/latest/userguide/enable-server-access-logging.html).
+    """
+
+    def __init__(self, scope: Construct, id: str, *, removal: cdk.RemovalPolicy) -> None:
+        super().__init__(scope, id)
+        self.bucket = s3.Bucket(
+            self, "Bucket",
+            encryption=s3.BucketEncryption.S3_MANAGED,
+            block_public_access=s3.BlockPublicAccess.BLOCK_ALL,
+            object_ownership=s3.ObjectOwnership.BUCKET_OWNER_ENFORCED,
+            enforce_ssl=True,
+            versioned=True,
+            removal_policy=removal,
+            lifecycle_rules=[s3.LifecycleRule(
+                id="archive-after-90-days",
+                transitions=[s3.Transition(storage_class=s3.StorageClass.GLACIER_INSTANT_RETRIEVAL,
+                                           transition_after=cdk.Duration.days(90))],
+            )],
+        )
+        # Server access logs from the platform's other buckets (in the storage stack) are
+        # allowed by account rather than by source-bucket ARN: naming those buckets here
+        # would make this stack depend on the storage stack, which depends on this one.
+        self.bucket.add_to_resource_policy(iam.PolicyStatement(
+            sid="S3ServerAccessLogsFromThisAccount",
+            principals=[iam.ServicePrincipal("logging.s3.amazonaws.com")],
+            actions=["s3:PutObject"],
+            resources=[self.bucket.arn_for_objects(ACCESS_LOG_PREFIX + "*")],
+            conditions={"StringEquals": {"aws:SourceAccount": cdk.Aws.ACCOUNT_ID}},
+        ))
+        cfn = self.bucket.node.default_child
+        acknowledge(cfn, "AwsSolutions::AwsSolutions-S1",
+                    "This is the access-log destination bucket; logging it into itself would loop. "
+                    "Reads of it are recorded by CloudTrail data events where the account enables them.")
+        acknowledge(cfn, "HIPAA.Security::HIPAA.Security-S3BucketLoggingEnabled",
+                    "This is the access-log destination bucket; logging it into itself would loop.")
+        acknowledge(cfn, "HIPAA.Security::HIPAA.Security-S3DefaultEncryptionKMS",
+                    "S3 server access log delivery only supports SSE-S3 destination buckets; the "
+                    "bucket is encrypted with SSE-S3 (AES-256), SSL-only and blocks public access.")
+        acknowledge(cfn, "HIPAA.Security::HIPAA.Security-S3BucketReplicationEnabled",
+                    "Logs are versioned and retained in-region; cross-region replication is an "
+                    "organisation-level DR decision (S3 Replication can be added without code changes).")
+
+
+class Network(Construct):
+    """VPC with one private cluster subnet (+ a /28 public subnet for the NAT gateway)."""
+
+    def __init__(self, scope: Construct, id: str, *, props: NetworkProps) -> None:
+        super().__init__(scope, id)
+        self.access_logs = AccessLogBucket(self, "AccessLogs", removal=props.removal_policy).bucket
+        self.vpc = ec2.Vpc(
+            self, "Vpc",
+            ip_addresses=ec2.IpAddresses.cidr(props.cidr),
+            subnet_configuration=[],
+            nat_gateways=0,
+            restrict_default_security_group=True,
+            enable_dns_hostnames=True,
+            enable_dns_support=True,
+        )
+        self.flow_log = self.vpc.add_flow_log(
+            "FlowLog",
+            destination=ec2.FlowLogDestination.to_s3(self.access_logs, FLOW_LOG_PREFIX),
+            traffic_type=ec2.FlowLogTrafficType.ALL,
+        )
+        vpc_id = self.vpc.vpc_id
+
+        # Public /28 holding only the NAT gateway. No public IPs are ever auto-assigned.
+        self.nat_subnet = ec2.CfnSubnet(
+            self, "NatSubnet", vpc_id=vpc_id, cidr_block=props.nat_subnet_cidr,
+            availability_zone_id=props.az_id, map_public_ip_on_launch=False,
+            tags=[cdk.CfnTag(key="Name", value="nat")])
+        igw = ec2.CfnInternetGateway(self, "InternetGateway")
+        attach = ec2.CfnVPCGatewayAttachment(self, "InternetGatewayAttachment", vpc_id=vpc_id,
+                                             internet_gateway_id=igw.ref)
+        public_rt = ec2.CfnRouteTable(self, "NatRouteTable", vpc_id=vpc_id)
+        ec2.CfnSubnetRouteTableAssociation(self, "NatRouteTableAssociation",
+                                           subnet_id=self.nat_subnet.ref, route_table_id=public_rt.ref)
+        to_igw = ec2.CfnRoute(self, "NatDefaultRoute", route_table_id=public_rt.ref,
+                              destination_cidr_block="0.0.0.0/0", gateway_id=igw.ref)
+        to_igw.add_dependency(attach)
+        acknowledge(to_igw, "HIPAA.Security::HIPAA.Security-VPCNoUnrestrictedRouteToIGW",
+                    "Only the NAT gateway's /28 subnet routes to the internet gateway; no instance "
+                    "runs there and no public IP is auto-assigned. Cluster nodes sit in the private "
+                    "subnet and reach the internet (Neuron/PyPI repositories, AWS APIs) only through NAT.")
+        eip = ec2.CfnEIP(self, "NatAddress", domain="vpc")
+        nat = ec2.CfnNatGateway(self, "NatGateway", subnet_id=self.nat_subnet.ref,
+                                allocation_id=eip.attr_allocation_id)
+        nat.add_dependency(to_igw)
+
+        # Private subnet: every HyperPod node and the FSx file system.
+        self.cluster_subnet = ec2.CfnSubnet(
+            self, "ClusterSubnet", vpc_id=vpc_id, cidr_block=props.cluster_subnet_cidr,
+            availability_zone_id=props.az_id, map_public_ip_on_launch=False,
+            tags=[cdk.CfnTag(key="Name", value="cluster")])
+        private_rt = ec2.CfnRouteTable(self, "ClusterRouteTable", vpc_id=vpc_id)
+        ec2.CfnSubnetRouteTableAssociation(self, "ClusterRouteTableAssociation",
+                                           subnet_id=self.cluster_subnet.ref, route_table_id=private_rt.ref)
+        ec2.CfnRoute(self, "ClusterDefaultRoute", route_table_id=private_rt.ref,
+                     destination_cidr_block="0.0.0.0/0", nat_gateway_id=nat.ref)
+        # S3 traffic (datasets, checkpoints, FSx is separate) stays on the AWS network and
+        # avoids NAT data-processing charges.
+        self.s3_endpoint = ec2.CfnVPCEndpoint(
+            self, "S3Endpoint", vpc_id=vpc_id, vpc_endpoint_type="Gateway",
+            service_name=f"com.amazonaws.{cdk.Aws.REGION}.s3",
+            route_table_ids=[private_rt.ref, public_rt.ref])
+
+        # EFA requires a security group that allows ALL traffic from and to itself, inbound
+        # AND outbound; the EFA health checks fail without both
+        # (docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-start.html#efa-start-security).
+        # The same rules cover Lustre (TCP 988) between nodes and FSx.
+        self.security_group = ec2.SecurityGroup(
+            self, "ClusterSecurityGroup", vpc=self.vpc, allow_all_outbound=True,
+            description="HyperPod nodes and FSx for Lustre: all traffic within the group (EFA, Lustre 988)")
+        sg_id = self.security_group.security_group_id
+        self.self_ingress = ec2.CfnSecurityGroupIngress(
+            self, "SelfIngress", group_id=sg_id, source_security_group_id=sg_id, ip_protocol="-1",
+            description="EFA/NCCL, Slurm, Lustre between members of this group")
+        self.self_egress = ec2.CfnSecurityGroupEgress(
+            self, "SelfEgress", group_id=sg_id, destination_security_group_id=sg_id, ip_protocol="-1",
+            description="EFA requires an explicit self-referencing egress rule")
+        acknowledge(self.self_ingress, "HIPAA.Security::HIPAA.Security-EC2RestrictedCommonPorts",
+                    "The rule admits all ports only from this same security group (no CIDR, nothing from "
+                    "outside the group), as EFA requires; no port is open to the internet or the VPC.")
+
+
+class NetworkStack(cdk.Stack):
+    """Deployed first; the storage and cluster stacks reference its subnet and security group."""
+
+    def __init__(self, scope: Construct, id: str, *, config: PlatformConfig, **kwargs) -> None:
+        super().__init__(scope, id, **kwargs)
+        self.network = Network(self, "Network", props=NetworkProps(
+            cidr=config.vpcCidr, az_id=config.availabilityZoneId,
+            cluster_subnet_cidr=config.private_subnet_cidr, nat_subnet_cidr=config.public_subnet_cidr,
+            removal_policy=removal_policy(config)))
