@@ -1,0 +1,275 @@
+"""Checkpointer in-process, with the real GpuBackend (CPU, one process), the tiny preset, the
+real feature loader, AdamW + LR schedule, EMA and the loop's own ``train_step``."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from training.backends.gpu import GpuBackend, GpuConfig
+from training.checkpoint import (
+    MANIFEST,
+    CheckpointConfig,
+    Checkpointer,
+    TrainState,
+    capture_rng,
+    find_latest,
+    list_complete,
+    restore_rng,
+    verify,
+)
+from training.data import FeatureLoader, write_synthetic_features
+from training.ema import EMA, EmaConfig
+from training.errors import UserError
+from training.loop import train_step
+from training.mirror import remote_checkpoints
+from training.model import ModelConfig, build_model
+from training.objective import ObjectiveConfig, RectifiedFlow
+from training.optim import OptimConfig, build_scheduler, optimizer_factory
+
+BATCH = 2
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("features")
+    write_synthetic_features(out, num_samples=12, latent_shape=(4, 8, 8), text_dim=8, max_text_tokens=8,
+                             text_tokens=(1, 8))
+    return out
+
+
+class Run:
+    """The loop's components, built the way training/loop.py builds them."""
+
+    def __init__(self, features: Path, root: Path, **ckpt_kw) -> None:
+        torch.manual_seed(0)
+        self.backend = GpuBackend(GpuConfig(), precision="fp32")
+        self.backend.init()
+        self.loader = FeatureLoader(features, batch_size=BATCH, seed=3, prefetch=1)
+        self.model = self.backend.prepare_model(build_model(ModelConfig(preset="tiny")))
+        self.optim_cfg = OptimConfig(lr=1e-3, warmup_steps=2, schedule="cosine", max_grad_norm=1.0)
+        self.optimizer = self.backend.build_optimizer(self.model, optimizer_factory(self.optim_cfg))
+        self.scheduler = build_scheduler(self.optimizer, self.optim_cfg, max_steps=20)
+        self.ema = EMA(self.backend.unwrap(self.model), EmaConfig(decay=0.9))
+        null_text, null_mask = self.loader.null_caption()
+        self.objective = RectifiedFlow(ObjectiveConfig(caption_dropout=0.3),
+                                       vae_scaling_factor=self.loader.index.vae_scaling_factor,
+                                       null_text=null_text, null_mask=null_mask)
+        cfg = CheckpointConfig(dir=str(root), **{"every_steps": 0, "keep_last": 0, **ckpt_kw})
+        self.ckpt = Checkpointer(cfg, self.backend, output_dir=root.parent, run_config={"note": "test"})
+        self.state = TrainState()
+        self._batches = None
+
+    @property
+    def parts(self) -> dict:
+        return dict(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, ema=self.ema,
+                    loader=self.loader, state=self.state)
+
+    def restore(self) -> Path | None:
+        return self.ckpt.restore(**self.parts)
+
+    def steps(self, n: int) -> list[Path]:
+        self._batches = self._batches or self.backend.device_batches(self.loader)
+        saved = []
+        for _ in range(n):
+            train_step(self.model, self.optimizer, self.scheduler, self.objective, self._batches, self.backend,
+                       self.optim_cfg)
+            self.state.step += 1
+            self.ema.update(self.backend.unwrap(self.model), self.state.step)
+            self.state.samples_seen += BATCH
+            path = self.ckpt.maybe_save(step=self.state.step, **self.parts)
+            if path:
+                saved.append(path)
+        return saved
+
+    def save(self) -> Path | None:
+        return self.ckpt.maybe_save(step=self.state.step, force=True, **self.parts)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.backend.unwrap(self.model).state_dict().items()}
+
+    def close(self) -> None:
+        self.loader.close()
+        self.ckpt.close()
+        self.backend.close()
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def test_layout_manifest_and_train_state(features, tmp_path):
+    run = Run(features, tmp_path / "ckpt")
+    run.steps(3)
+    path = run.save()
+    run.close()
+    assert path == tmp_path / "ckpt" / "step-00000003"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000003"]  # no temp dir left
+    names = sorted(p.name for p in path.iterdir())
+    assert names == sorted([MANIFEST, "model.safetensors", "optimizer.pt", "ema.safetensors",
+                            "train_state.json", "rng.pt"])
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["step"] == 3 and manifest["format"] == "sana-checkpoint/1"
+    assert sorted(manifest["files"]) == sorted(set(names) - {MANIFEST})
+    assert all(manifest["files"][n]["size"] == (path / n).stat().st_size for n in manifest["files"])
+    assert verify(path) == manifest
+    state = json.loads((path / "train_state.json").read_text())
+    assert state["step"] == 3 and state["samples_seen"] == 3 * BATCH
+    assert state["dataloader"] == run.loader.state_dict()
+    assert state["lr_scheduler"]["last_epoch"] == 3
+    assert state["config"] == {"note": "test"}
+    assert state["model_config"]["num_layers"] == 1  # what export rebuilds the model from
+    assert_same(load_file(path / "model.safetensors"), run.weights())
+    optim = torch.load(path / "optimizer.pt", weights_only=True)
+    assert "patch_embed.proj.weight" in optim["state"]  # keyed by parameter name, not index
+
+
+def test_resume_continues_bit_identically(features, tmp_path):
+    """3 steps, save, 4 more == restore in a fresh process-like setup, 4 more: every bit."""
+    ref = Run(features, tmp_path / "a")
+    ref.steps(3)
+    ref.save()
+    ref.steps(4)
+    expected, expected_ema = ref.weights(), ref.ema.state_dict()
+    expected_opt = ref.backend.optimizer_state_dict(ref.model, ref.optimizer)
+    ref.close()
+
+    # Disturb every RNG stream before resuming: restore must put them all back.
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    run = Run(features, tmp_path / "a")
+    assert run.restore() == tmp_path / "a" / "step-00000003"
+    assert run.state.step == 3 and run.state.samples_seen == 3 * BATCH
+    assert run.scheduler.last_epoch == 3
+    run.steps(4)
+    assert_same(run.weights(), expected)
+    assert_same(run.ema.state_dict(), expected_ema)
+    got_opt = run.backend.optimizer_state_dict(run.model, run.optimizer)
+    for name, st in expected_opt["state"].items():
+        for key, value in st.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(got_opt["state"][name][key])), (name, key)
+    run.close()
+
+
+def test_every_steps_keep_last_and_no_double_save(features, tmp_path):
+    run = Run(features, tmp_path / "c", every_steps=2, keep_last=2)
+    saved = run.steps(7)
+    assert [p.name for p in saved] == ["step-00000002", "step-00000004", "step-00000006"]
+    assert run.save().name == "step-00000007"  # forced at the end
+    assert [p.name for p in run.steps(1)] == ["step-00000008"]  # periodic at 8 ...
+    assert run.ckpt.maybe_save(step=8, force=True, **run.parts) is None  # ... not again when forced
+    run.close()
+    assert [p.name for _, p in list_complete(tmp_path / "c")] == ["step-00000007", "step-00000008"]
+
+
+def test_find_latest_skips_partial_and_corrupt_checkpoints(features, tmp_path):
+    root = tmp_path / "d"
+    run = Run(features, root, every_steps=2)
+    run.steps(10)
+    run.close()
+    # step 10: a file flipped in place (same size): only the sha256 check catches it
+    with open(root / "step-00000010" / "optimizer.pt", "r+b") as fh:
+        fh.seek(100)
+        byte = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    # step 8: truncated file (size differs from the manifest)
+    with open(root / "step-00000008" / "model.safetensors", "r+b") as fh:
+        fh.truncate(10)
+    # step 6: no manifest (as if the manifest write never happened)
+    (root / "step-00000006" / MANIFEST).unlink()
+    # step 12: a complete temp dir, killed between manifest and rename
+    shutil.copytree(root / "step-00000004", root / ".tmp-step-00000012")
+    assert find_latest(root) == root / "step-00000004"
+    assert find_latest(root, full=False) == root / "step-00000010"  # the cheap scan trusts sizes
+
+    run = Run(features, root, resume="auto")
+    assert not (root / ".tmp-step-00000012").exists()  # stale temp dirs are cleared at start
+    assert run.restore() == root / "step-00000004" and run.state.step == 4
+    run.close()
+
+
+def test_resume_none_explicit_path_and_bad_paths(features, tmp_path):
+    root = tmp_path / "e"
+    run = Run(features, root, every_steps=2)
+    run.steps(4)
+    run.close()
+    assert Run(features, root, resume="none").restore() is None
+    run = Run(features, root, resume=str(root / "step-00000002"))
+    assert run.restore() == root / "step-00000002" and run.state.step == 2
+    run = Run(features, root, resume=str(root))  # a root: its newest complete checkpoint
+    assert run.restore() == root / "step-00000004"
+    with pytest.raises(UserError, match="checkpoint.resume: .*nowhere"):
+        Run(features, root, resume=str(tmp_path / "nowhere")).restore()
+    (root / "step-00000002" / "rng.pt").write_bytes(b"garbage")
+    with pytest.raises(UserError, match="checkpoint.resume: .*step-00000002 is incomplete or corrupt"):
+        Run(features, root, resume=str(root / "step-00000002")).restore()
+
+
+def test_restore_from_s3_mirror_when_local_is_empty(features, tmp_path, s3_bucket):
+    url = f"s3://{s3_bucket}/runs/x"
+    run = Run(features, tmp_path / "f", every_steps=2, keep_last=1, s3_mirror=url)
+    run.steps(5)
+    run.save()
+    expected = run.weights()
+    run.close()  # waits for the uploads
+    assert remote_checkpoints(url)[-1] == 5
+    assert [p.name for _, p in list_complete(tmp_path / "f")] == ["step-00000005"]  # local keep_last=1
+
+    shutil.rmtree(tmp_path / "f")  # the node (and its local disk) is gone
+    run = Run(features, tmp_path / "f", s3_mirror=url)
+    assert run.restore() == tmp_path / "f" / "step-00000005"
+    assert run.state.step == 5
+    assert_same(run.weights(), expected)
+    run.close()
+    # An explicit s3:// checkpoint URL works too (e.g. another run's checkpoint).
+    run = Run(features, tmp_path / "g", resume=f"{url}/step-00000004")
+    assert run.restore() == tmp_path / "g" / "step-00000004" and run.state.step == 4
+    run.close()
+
+
+def test_rng_capture_and_restore_covers_python_numpy_torch():
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    np.random.randn()  # leaves a cached gaussian in numpy's state
+    state = capture_rng()
+    expected = (random.random(), np.random.randn(3).tolist(), torch.rand(3))
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    restore_rng(state)
+    assert (random.random(), np.random.randn(3).tolist()) == expected[:2]
+    assert torch.equal(torch.rand(3), expected[2])
+
+
+@pytest.mark.parametrize(("kw", "key"), [
+    ({"every_steps": -1}, "checkpoint.every_steps"),
+    ({"keep_last": 1.5}, "checkpoint.keep_last"),
+    ({"s3_mirror": "bucket/prefix"}, "checkpoint.s3_mirror"),
+    ({"resume": ""}, "checkpoint.resume"),
+    ({"dir": ""}, "checkpoint.dir"),
+])
+def test_config_errors_name_the_key(kw, key):
+    with pytest.raises(ValueError, match=key):
+        CheckpointConfig(**kw)
+
+
+def test_fault_hook_is_inert_without_the_env_var(features, tmp_path, monkeypatch):
+    monkeypatch.setenv("SANA_CHECKPOINT_FAULT", "999:after-model")  # another step: no effect
+    run = Run(features, tmp_path / "h")
+    run.steps(1)
+    assert run.save() is not None
+    run.close()
+    assert os.environ["SANA_CHECKPOINT_FAULT"] == "999:after-model"
