@@ -215,7 +215,7 @@ run_node() {
 
   local node
   node=$(hostname -s)
-  echo "launch.sh: $node: torchrun nnodes=$SLURM_JOB_NUM_NODES nproc_per_node=$nproc rdzv=$head:$SANA_RDZV_PORT -> ${entry[*]}"
+  echo "launch.sh: $node: torchrun nnodes=$SLURM_JOB_NUM_NODES nproc_per_node=$nproc rdzv=$head:$SANA_RDZV_PORT rdzv_id=$SLURM_JOB_ID -> ${entry[*]}"
   exec "$python" -m torch.distributed.run \
     --nnodes="$SLURM_JOB_NUM_NODES" \
     --nproc-per-node="$nproc" \

@@ -1,0 +1,200 @@
+"""The training job scripts, submitted with sbatch to real Slurm daemons on localhost.
+
+Each job runs the real entrypoint under torchrun through training/slurm/launch.sh, with the
+tiny preset on CPU: 2 ranks over gloo for the GPU script, PJRT CPU in .venv-xla for the
+Trainium one. The node profile is a temp file in the lifecycle format pointing every SANA_*
+path into a temp "FSx", so the paths asserted here are the ones runbooks/train-slurm.md
+documents: checkpoints in $SANA_CHECKPOINT_ROOT/<job name>/checkpoints/step-XXXXXXXX/, logs
+in $SANA_LOG_ROOT/<job name>-<job id>/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from safetensors.torch import load_file
+
+if TYPE_CHECKING:  # conftest modules are not importable by name (several share it)
+    from tests.slurm.conftest import SlurmCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM_DIR = REPO / "training" / "slurm"
+TINY = REPO / "training" / "configs" / "tiny-cpu.yaml"
+MAX_STEPS = 80
+EVERY = 10
+#: generous: 2 CPU cores are shared with the rest of the suite
+JOB_TIMEOUT = 420
+
+
+@dataclass
+class Site:
+    """A temp stand-in for the cluster: FSx root, node profile, features, submit dir."""
+
+    fsx: Path
+    profile: Path
+    features: Path
+    submit_dir: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        # Only what the login node's shell would add; the rest comes from the node profile.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SANA_")}
+        env.update(SANA_PROFILE=str(self.profile), SANA_HYPERPOD_DIR=str(self.fsx / "no-hyperpod-here"))
+        env.update(extra)
+        return env
+
+    def run_dir(self, job_name: str) -> Path:
+        return self.fsx / "checkpoints" / job_name
+
+    def log_dir(self, job_name: str, job_id: int) -> Path:
+        return self.fsx / "logs" / f"{job_name}-{job_id}"
+
+
+def write_profile(path: Path, fsx: Path, rdzv_port: int) -> None:
+    """A node profile as lifecycle writes it (CONTRACT.md), pointing into the temp FSx."""
+    path.write_text("\n".join([
+        "# sana-platform node profile (test copy)",
+        "export SANA_ROLE=gpu",
+        f"export SANA_FSX={fsx}",
+        f"export SANA_PLATFORM_DIR={REPO}",
+        f"export SANA_ENV_GPU={REPO / '.venv'}",
+        f"export SANA_ENV_NEURON={REPO / '.venv-xla'}",
+        f"export SANA_CHECKPOINT_ROOT={fsx / 'checkpoints'}",
+        f"export SANA_LOG_ROOT={fsx / 'logs'}",
+        f"export SANA_DATA_ROOT={fsx / 'data'}",
+        f"export SANA_RDZV_PORT={rdzv_port}",
+        "",
+    ]))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Site:
+    from training.data import write_synthetic_features
+
+    root = tmp_path_factory.mktemp("site")
+    fsx = root / "fsx"
+    features = fsx / "data" / "tiny-features"
+    write_synthetic_features(features, num_samples=64, latent_shape=(4, 32, 32), text_dim=8,
+                             max_text_tokens=16, seed=0)
+    profile = root / "sana-platform.sh"
+    write_profile(profile, fsx, free_port())
+    submit_dir = root / "home"
+    submit_dir.mkdir()
+    return Site(fsx=fsx, profile=profile, features=features, submit_dir=submit_dir)
+
+
+def train_args(site: Site) -> tuple[str, ...]:
+    return (str(TINY), "--set", f"data.path={site.features}", "--set", f"checkpoint.every_steps={EVERY}",
+            "--set", "checkpoint.keep_last=0", "--max-steps", str(MAX_STEPS))
+
+
+def submit_gpu(cluster: SlurmCluster, site: Site, job_name: str) -> int:
+    return cluster.sbatch(SLURM_DIR / "train-gpu.sbatch", *train_args(site), options=(f"--job-name={job_name}",),
+                          env=site.env(SANA_NPROC_PER_NODE="2"), cwd=site.submit_dir)
+
+
+def complete_checkpoints(run_dir: Path) -> list[int]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.glob("step-*") if (p / "manifest.json").exists())
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines if line.strip()]
+
+
+def job_failure(cluster: SlurmCluster, site: Site, info: dict[str, str], job_name: str, job_id: int) -> str:
+    log = site.log_dir(job_name, job_id) / "job.log"
+    text = log.read_text()[-4000:] if log.exists() else f"(no {log})"
+    return f"job {job_id} {info.get('JobState')} exit {info.get('ExitCode')}\n{text}\n{cluster.logs()}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm_cluster: SlurmCluster, site: Site) -> tuple[str, int]:
+    """One full run to MAX_STEPS, the reference the interrupted run must equal."""
+    job_name = "tiny-straight"
+    job_id = submit_gpu(slurm_cluster, site, job_name)
+    info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", job_failure(slurm_cluster, site, info, job_name, job_id)
+    return job_name, job_id
+
+
+def test_train_gpu_sbatch_completes_with_checkpoints_and_logs_where_the_runbook_says(
+        slurm_cluster: SlurmCluster, site: Site, uninterrupted: tuple[str, int]) -> None:
+    job_name, job_id = uninterrupted
+    run_dir, log_dir = site.run_dir(job_name), site.log_dir(job_name, job_id)
+
+    assert complete_checkpoints(run_dir) == list(range(EVERY, MAX_STEPS + 1, EVERY))
+    final = run_dir / "checkpoints" / f"step-{MAX_STEPS:08d}"
+    assert json.loads((final / "train_state.json").read_text())["step"] == MAX_STEPS
+    assert logged_steps(run_dir)[-1] == MAX_STEPS
+
+    job_log = (log_dir / "job.log").read_text()
+    assert "nproc_per_node=2" in job_log
+    assert f"rdzv_id={job_id}" in job_log
+    assert "'world_size': 2" in job_log, job_log[-2000:]
+    # srun without --auto-resume: the HyperPod marker directory does not exist here.
+    assert "--auto-resume" not in job_log
+    # Per-rank logs from torchrun, one directory per local rank of this node.
+    rank_logs = sorted(log_dir.glob(f"ranks/*/{job_id}_*/attempt_0/*/stderr.log"))
+    assert [p.parent.name for p in rank_logs] == ["0", "1"], list(log_dir.rglob("*"))
+    # sbatch's own output file stays in the submit directory, as with any Slurm job.
+    assert (site.submit_dir / f"slurm-{job_name}-{job_id}.out").exists()
+
+
+def test_scancel_then_resubmit_continues_from_last_checkpoint_to_identical_weights(
+        slurm_cluster: SlurmCluster, site: Site, uninterrupted: tuple[str, int]) -> None:
+    job_name = "tiny-interrupted"
+    run_dir = site.run_dir(job_name)
+    first = submit_gpu(slurm_cluster, site, job_name)
+
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not [s for s in complete_checkpoints(run_dir) if s >= 2 * EVERY]:
+        info = slurm_cluster.job(first)
+        assert info["JobState"] in {"PENDING", "RUNNING"}, job_failure(slurm_cluster, site, info, job_name, first)
+        assert time.monotonic() < deadline, "no checkpoint before the timeout"
+        time.sleep(0.2)
+    assert slurm_cluster.squeue_state(first) == "RUNNING"
+    slurm_cluster.run("scancel", str(first))
+    info = slurm_cluster.wait(first, timeout=120)
+    assert info["JobState"] == "CANCELLED", info
+    resumed_from = complete_checkpoints(run_dir)[-1]
+    assert 2 * EVERY <= resumed_from < MAX_STEPS, "the run finished before scancel hit it; raise MAX_STEPS"
+
+    slurm_cluster.wait_node_idle(timeout=120)
+    second = submit_gpu(slurm_cluster, site, job_name)
+    info = slurm_cluster.wait(second, timeout=JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", job_failure(slurm_cluster, site, info, job_name, second)
+
+    # The second job resumed: it started at the last checkpoint and counted on from there.
+    second_log = (site.log_dir(job_name, second) / "job.log").read_text()
+    assert re.search(rf"from step {resumed_from} to {MAX_STEPS}\b", second_log), second_log[-3000:]
+    assert f"step-{resumed_from:08d}" in second_log
+    second_steps = [int(s) for s in re.findall(r"\bstep (\d+) loss=", second_log)]
+    assert second_steps and second_steps[0] == resumed_from + EVERY, second_steps
+    assert second_steps[-1] == MAX_STEPS
+    assert complete_checkpoints(run_dir)[-1] == MAX_STEPS
+
+    # ... and ended exactly where the uninterrupted run did.
+    straight = load_file(site.run_dir(uninterrupted[0]) / "checkpoints" / f"step-{MAX_STEPS:08d}" / "model.safetensors")
+    resumed = load_file(run_dir / "checkpoints" / f"step-{MAX_STEPS:08d}" / "model.safetensors")
+    assert straight.keys() == resumed.keys()
+    different = [name for name in straight if not straight[name].equal(resumed[name])]
+    assert not different, f"{len(different)} tensors differ after resume, e.g. {different[:3]}"
