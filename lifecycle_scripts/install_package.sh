@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Step "package": install the training package the stack bundled next to these scripts
+# (./training/) at $FSX/platform/<package_hash>/training and point $FSX/platform/current
+# at it. Each version is copied to a temp dir and renamed into place, so a directory named
+# by a hash is always complete; the `current` link is swapped atomically, so a job that
+# starts meanwhile sees the old or the new package, never a mix.
+set -euo pipefail
+# shellcheck source=SCRIPTDIR/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+step_init
+require_vars FSX CFG_PACKAGE_HASH LIFECYCLE_DIR
+
+source_dir="$LIFECYCLE_DIR/training"
+platform_dir="$FSX/platform"
+dest="$platform_dir/$CFG_PACKAGE_HASH"
+
+[[ -f $source_dir/__init__.py ]] \
+  || die "no training package at $source_dir; the stack uploads it as training/ next to on_create.sh"
+
+if [[ -d $dest ]]; then
+  log "package $CFG_PACKAGE_HASH already installed at $dest"
+else
+  incoming=$(mktemp -d "$platform_dir/.incoming-$CFG_PACKAGE_HASH.XXXXXX")
+  cp -R "$source_dir" "$incoming/training"
+  chmod -R u+rwX,go+rX,go-w "$incoming"
+  # rename(2) fails if another node renamed its copy first; theirs is as good as ours.
+  if mv -T "$incoming" "$dest" 2>/dev/null; then
+    log "installed package $CFG_PACKAGE_HASH at $dest"
+  else
+    rm -rf "$incoming"
+    [[ -d $dest ]] || die "cannot move the package into $dest"
+    log "package $CFG_PACKAGE_HASH was installed by another node meanwhile"
+  fi
+fi
+
+point_link "$platform_dir/current" "$CFG_PACKAGE_HASH"
+log "$platform_dir/current -> $CFG_PACKAGE_HASH"

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# HyperPod runs this on every node when the cluster is created and again on a replacement
+# node (LifeCycleConfig.OnCreate). It finds this node's role and runs one small script per
+# concern; see runbooks/node-boot.md.
+#
+#   all roles   settings -> identity -> fsx -> dirs -> package -> profile -> ... -> ready
+#   gpu         ... -> env-gpu (/fsx/envs/gpu) -> ready
+#   trn         ... -> env-neuron (/fsx/envs/neuron) -> ready
+#
+# Every line goes to stdout (HyperPod ships it to CloudWatch) and to
+# /var/log/provision/provisioning.log. A failure ends with ONE line
+#   <time> [on_create] FAILED step=<step>: <cause>
+# and a non-zero exit. Safe to re-run: every step converges to the same state.
+#
+# Environment (tests set these; production leaves them unset):
+#   PLATFORM_ROOT                   prefix for every root-filesystem path (empty on a node)
+#   SAGEMAKER_RESOURCE_CONFIG_PATH  HyperPod's resource config (default /opt/ml/config/resource_config.json)
+#   LIFECYCLE_FSX_WAIT_S            how long to wait for the FSx mount (default 300)
+#   LIFECYCLE_ENV_LOCK_TIMEOUT_S    how long to wait for another node's env build (default 3600)
+set -euo pipefail
+
+LIFECYCLE_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export LIFECYCLE_DIR PLATFORM_ROOT="${PLATFORM_ROOT:-}"
+# shellcheck source=SCRIPTDIR/common.sh
+source "$LIFECYCLE_DIR/common.sh"
+
+# run_step NAME SCRIPT [ARGS...]: run one step script (with bash: S3 keeps no execute bits);
+# on failure print the one FAILED line, record it in the node status file, exit 1.
+run_step() {
+  local name=$1 script=$2 started=$SECONDS status=0
+  shift 2
+  local error_file="$STATE_DIR/step-error"
+  : >"$error_file"
+  log "step $name: start"
+  STEP_NAME=$name STEP_ERROR_FILE=$error_file bash "$LIFECYCLE_DIR/$script" "$@" || status=$?
+  if ((status != 0)); then
+    local cause
+    cause=$(tr '\n' ' ' <"$error_file")
+    fail "$name" "${cause:-exited with status $status}"
+  fi
+  log "step $name: done in $((SECONDS - started))s"
+}
+
+fail() {
+  local step=$1 cause=${2% }
+  if [[ -n ${FSX:-} && -n ${NODE_NAME:-} && -d $FSX/logs/provision ]]; then
+    printf '%s FAILED node=%s group=%s role=%s ip=%s step=%s cause=%s\n' \
+      "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$NODE_NAME" "${NODE_GROUP:-}" "${NODE_ROLE:-}" \
+      "${NODE_IP:-}" "$step" "$cause" >"$(node_status_file)" 2>/dev/null || true
+  fi
+  log "FAILED step=$step: $cause"
+  exit 1
+}
+
+# load ENV_FILE: the variables a step worked out (quoted with shlex.quote by the step).
+load() {
+  # shellcheck source=/dev/null
+  source "$1"
+}
+
+main() {
+  local started=$SECONDS
+  log "provisioning node from $LIFECYCLE_DIR (PLATFORM_ROOT='${PLATFORM_ROOT}')"
+  run_step settings settings.sh
+  load "$STATE_DIR/settings.env"
+  run_step identity node_identity.sh
+  load "$STATE_DIR/node.env"
+  run_step fsx fsx_mount.sh
+  run_step dirs shared_dirs.sh
+  run_step package install_package.sh
+  run_step profile node_profile.sh
+  case $NODE_ROLE in
+    gpu) run_step env-gpu python_env.sh gpu ;;
+    trn) run_step env-neuron python_env.sh neuron ;;
+  esac
+  run_step ready readiness.sh
+  log "READY node=$NODE_NAME role=$NODE_ROLE in $((SECONDS - started))s"
+}
+
+mkdir -p "$PROVISION_LOG_DIR" "$STATE_DIR"
+main "$@" 2>&1 | tee -a "$PROVISION_LOG"

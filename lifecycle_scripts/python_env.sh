@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Step "env-gpu" / "env-neuron": the backend's Python environment on FSx, built ONCE per
+# cluster however many nodes boot at the same time.
+#
+#   python_env.sh gpu|neuron
+#
+# The env lives at <envs.KIND>-<key> with <envs.KIND> (the path in the profile) a symlink to
+# it. <key> hashes the requirements file, the pip index and the base Python, so a package
+# with new requirements builds a new env beside the old one (running jobs keep theirs) and
+# an unchanged one is never rebuilt.
+#
+# Once per cluster: every node takes an flock on FSx (cluster-wide on Lustre) with a
+# timeout; the first builds, the others block, then find the ready marker and only verify.
+# The marker is written after pip AND the import check succeed, so a failed or killed
+# build is never marked ready (and the next node to get the lock removes its leftovers).
+set -euo pipefail
+# shellcheck source=SCRIPTDIR/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+# shellcheck source=SCRIPTDIR/system.sh
+source "$(dirname "${BASH_SOURCE[0]}")/system.sh"
+step_init
+require_vars FSX CFG_PACKAGE_HASH NODE_NAME
+
+kind=${1:-}
+case $kind in
+  gpu)
+    link=${ENV_GPU_DIR:?}
+    imports=(torch)
+    index_args=()
+    ;;
+  neuron)
+    link=${ENV_NEURON_DIR:?}
+    imports=(torch torch_xla)
+    # torch-neuronx, neuronx-cc and libneuronxla exist only on Neuron's repository
+    # (settings neuron_pip_index: the one place its URL is configured).
+    index_args=()
+    if [[ -n ${CFG_NEURON_PIP_INDEX:-} ]]; then index_args=(--extra-index-url "$CFG_NEURON_PIP_INDEX"); fi
+    ;;
+  *) die "usage: python_env.sh gpu|neuron (got '$kind')" ;;
+esac
+
+requirements="$FSX/platform/$CFG_PACKAGE_HASH/training/requirements-$kind.txt"
+lock_timeout=${LIFECYCLE_ENV_LOCK_TIMEOUT_S:-3600}
+base_python=python3
+[[ -r $requirements ]] || die "no $requirements in package $CFG_PACKAGE_HASH; the training package must ship it"
+
+key=$({
+  cat "$requirements"
+  printf 'index=%s\n' "${CFG_NEURON_PIP_INDEX:-}"
+  "$base_python" -c 'import sys; print(sys.version)'
+  echo "recipe=1" # bump when the build recipe below changes
+} | sha256sum | cut -c1-12)
+target="$link-$key"
+marker="$target/.sana-env-ready"
+lock="$(dirname "$link")/.locks/$(basename "$link").lock"
+
+is_ready() {
+  [[ -f $marker ]]
+}
+
+# An env is only ever marked ready here, after pip and the import check; on any failure the
+# EXIT trap removes the half-built env.
+build_env() {
+  log "building env $target from $requirements${index_args[*]:+ (${index_args[*]})}"
+  rm -rf "$target"
+  trap 'rm -rf "$target"' EXIT
+  if ! "$base_python" -m venv "$target"; then
+    # Ubuntu ships venv's ensurepip in a separate package.
+    log "python3 cannot create a venv; installing python3-venv"
+    apt_install python3-venv || die "python3 cannot create a venv and apt-get install python3-venv failed"
+    rm -rf "$target"
+    "$base_python" -m venv "$target" || die "python3 -m venv $target failed"
+  fi
+  local status=0
+  "$target/bin/python" -m pip install --no-input --disable-pip-version-check \
+    "${index_args[@]}" -r "$requirements" || status=$?
+  ((status == 0)) || die "pip install -r $requirements failed (exit $status); the pip output above in the provisioning log says which requirement"
+  # The package on FSx (platform/current) is importable from the env without PYTHONPATH.
+  local site
+  site=$("$target/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  printf '%s\n' "$FSX/platform/current" >"$site/sana-platform.pth"
+  check_imports "$target" || die "the new env $target cannot import ${imports[*]}: $import_error"
+  printf 'key=%s built_by=%s at=%s requirements=%s\n' "$key" "$NODE_NAME" \
+    "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$requirements" | write_atomically "$marker" 0644
+  trap - EXIT
+  log "env $target built and marked ready"
+}
+
+import_error=""
+check_imports() {
+  local env=$1 code
+  code="import $(IFS=,; echo "${imports[*]}")"
+  # -I: neither the working directory nor PYTHONPATH can satisfy the import instead of the env.
+  import_error=$("$env/bin/python" -I -c "$code" 2>&1 | tail -n 1) && return 0
+  return 1
+}
+
+if is_ready && [[ $(readlink "$link" 2>/dev/null) == "$(basename "$target")" ]]; then
+  log "env $link -> $(basename "$target") is already built and ready"
+else
+  exec 9>>"$lock"
+  log "waiting up to ${lock_timeout}s for the build lock $lock"
+  flock -w "$lock_timeout" 9 \
+    || die "timed out after ${lock_timeout}s waiting for $lock: another node is still building $target (see that node's provisioning log; LIFECYCLE_ENV_LOCK_TIMEOUT_S sets the wait)"
+  if is_ready; then
+    log "env $target was built by $(sed -n 's/.*built_by=\([^ ]*\).*/\1/p' "$marker")"
+  else
+    build_env
+  fi
+  point_link "$link" "$(basename "$target")"
+  exec 9>&- # release the lock; verification below needs no lock
+fi
+
+check_imports "$link" || die "env $link (ready marker present) cannot import ${imports[*]}: $import_error"
+log "env $link -> $(basename "$target") imports ${imports[*]}"

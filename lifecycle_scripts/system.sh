@@ -1,0 +1,37 @@
+# shellcheck shell=bash
+# Thin wrappers, one per command that only works on a real HyperPod node. Each is the one
+# command line and nothing else: the tests put small stand-ins for these commands first on
+# PATH (tests/lifecycle/test_on_create.py says what each stand-in stands for).
+
+# This node's IPv4 addresses, space separated (HyperPod's resource config names a node
+# only by its CustomerIpAddress, so the node finds its group through these).
+node_addresses() {
+  hostname -I
+}
+
+# "FSTYPE OPTIONS" of the file system mounted exactly at $1; fails when nothing is mounted there.
+mount_info() {
+  findmnt --noheadings --output FSTYPE,OPTIONS --mountpoint "$1"
+}
+
+# Does the NVIDIA driver answer? One line per GPU.
+gpu_list() {
+  nvidia-smi --list-gpus
+}
+
+# Does the Neuron driver answer? The Neuron tools live in /opt/aws/neuron/bin on the
+# HyperPod Trainium AMI, which is not on a lifecycle script's PATH.
+neuron_list() {
+  PATH="$PATH:/opt/aws/neuron/bin" neuron-ls
+}
+
+# has_tool NAME: is NAME installed (looking where the AMI puts the Neuron tools too)?
+has_tool() {
+  PATH="$PATH:/opt/aws/neuron/bin" command -v "$1" >/dev/null 2>&1
+}
+
+# apt_install PACKAGE...: install Debian packages (only used when the AMI lacks one).
+apt_install() {
+  DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=300 update \
+    && DEBIAN_FRONTEND=noninteractive apt-get -q -y -o DPkg::Lock::Timeout=300 install --no-install-recommends "$@"
+}

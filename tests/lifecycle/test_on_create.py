@@ -1,0 +1,325 @@
+"""lifecycle_scripts/on_create.sh run for real on a pretend cluster (see conftest.py).
+
+Six nodes (controller, login, 2 gpu, 2 trn) boot AT THE SAME TIME on one shared FSx: each
+env must be built exactly once and every node must end ready. Then the same cluster is
+re-provisioned (idempotence), and fresh clusters are broken in the ways a real one breaks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import LOG_LINE, NODES, Cluster, make_bundle
+
+STEPS = {
+    "controller": ["settings", "identity", "fsx", "dirs", "package", "profile", "ready"],
+    "login": ["settings", "identity", "fsx", "dirs", "package", "profile", "ready"],
+    "gpu": ["settings", "identity", "fsx", "dirs", "package", "profile", "env-gpu", "ready"],
+    "trn": ["settings", "identity", "fsx", "dirs", "package", "profile", "env-neuron", "ready"],
+}
+CONTRACT_VARS = ["SANA_ROLE", "SANA_FSX", "SANA_PLATFORM_DIR", "SANA_ENV_GPU", "SANA_ENV_NEURON",
+                 "SANA_CHECKPOINT_ROOT", "SANA_LOG_ROOT", "SANA_DATA_ROOT", "SANA_RDZV_PORT",
+                 "SANA_ARTEFACTS_BUCKET", "SANA_DATA_BUCKET"]
+FAILED = re.compile(r"^\S+Z \[on_create\] FAILED step=([\w-]+): (.+)$")
+
+
+def role(node: str) -> str:
+    return NODES[node][0]
+
+
+def profile_env(cluster: Cluster, node: str) -> dict[str, str]:
+    """The environment a login shell or job script gets: the profile sourced by POSIX sh."""
+    profile = cluster.root(node) / "etc/profile.d/sana-platform.sh"
+    out = subprocess.run(["sh", "-c", f'. "{profile}" && env -0'], env={"PATH": os.environ["PATH"]},
+                         capture_output=True, text=True, check=True).stdout
+    return dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
+
+
+def failure(result: subprocess.CompletedProcess) -> tuple[str, str]:
+    """(step, cause) of the ONE FAILED line, which must be the last line of the output."""
+    lines = result.stdout.strip().splitlines()
+    assert result.returncode != 0
+    assert [line for line in lines if "FAILED" in line] == lines[-1:], result.stdout[-3000:]
+    match = FAILED.match(lines[-1])
+    assert match, lines[-1]
+    return match.group(1), match.group(2)
+
+
+def ready_markers(fsx: Path) -> list[Path]:
+    """Ready markers in real env dirs (not through the envs/<kind> links)."""
+    envs = fsx / "envs"
+    return sorted(p for p in envs.glob("*/.sana-env-ready") if not p.parent.is_symlink()) if envs.exists() else []
+
+
+# ---------------------------------------------------------------- six nodes boot at once
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, standins, wheels) -> tuple[Cluster, dict[str, subprocess.CompletedProcess], float]:
+    base = tmp_path_factory.mktemp("cluster")
+    cluster = Cluster(base, make_bundle(base / "bundle", wheels, package_hash="pkg0001"), standins)
+    started = time.monotonic()
+    procs = {node: cluster.start(node) for node in NODES}
+    results = {}
+    for node, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        results[node] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return cluster, results, time.monotonic() - started
+
+
+def test_every_node_ends_ready(cluster):
+    _, results, _ = cluster
+    for node, result in results.items():
+        assert result.returncode == 0, f"{node}:\n{result.stdout[-4000:]}\n{result.stderr}"
+        last = result.stdout.strip().splitlines()[-1]
+        assert re.search(rf"\[on_create\] READY node={node} role={role(node)} in \d+s$", last), last
+        assert "FAILED" not in result.stdout
+        assert result.stderr == ""  # everything goes to stdout (CloudWatch) and the log
+
+
+def test_concurrent_boot_builds_each_env_exactly_once(cluster):
+    c, _, _ = cluster
+    builds = c.builds()
+    assert len([b for b in builds if "/envs/gpu-" in b]) == 1, builds
+    assert len([b for b in builds if "/envs/neuron-" in b]) == 1, builds
+    # The other node of each group waited for the lock and found the env ready.
+    waited = [n for n in ("gpu-1", "gpu-2", "trn-1", "trn-2") if "was built by" in c.log(n)]
+    assert len(waited) == 2, waited
+    # Controller and login build nothing and do not wait for any env.
+    for node in ("controller-1", "login-1"):
+        assert "env" not in " ".join(re.findall(r"\[on_create\] step (\S+)", c.log(node)))
+
+
+def test_log_has_every_step_in_order_with_timestamps(cluster):
+    c, results, _ = cluster
+    for node in NODES:
+        log = c.log(node)
+        assert log == results[node].stdout  # the log file holds exactly what went to stdout
+        ours = [LOG_LINE.match(line) for line in log.splitlines() if LOG_LINE.match(line)]
+        started = [m.group(3).split()[1].rstrip(":") for m in ours
+                   if m.group(2) == "on_create" and m.group(3).endswith(": start")]
+        assert started == STEPS[role(node)], node
+        done = [m for m in ours if re.fullmatch(r"step [\w-]+: done in \d+s", m.group(3))]
+        assert len(done) == len(STEPS[role(node)])
+        assert all(m.group(1) <= ours[-1].group(1) for m in ours)
+
+
+@pytest.mark.parametrize("node", list(NODES))
+def test_profile_defines_the_job_environment_per_role(cluster, node):
+    c, _, _ = cluster
+    env = profile_env(c, node)
+    fsx = str(c.root(node) / "fsx")
+    assert {k: env[k] for k in CONTRACT_VARS} == {
+        "SANA_ROLE": role(node), "SANA_FSX": fsx, "SANA_PLATFORM_DIR": f"{fsx}/platform/current",
+        "SANA_ENV_GPU": f"{fsx}/envs/gpu", "SANA_ENV_NEURON": f"{fsx}/envs/neuron",
+        "SANA_CHECKPOINT_ROOT": f"{fsx}/checkpoints", "SANA_LOG_ROOT": f"{fsx}/logs",
+        "SANA_DATA_ROOT": f"{fsx}/data", "SANA_RDZV_PORT": "29500",
+        "SANA_ARTEFACTS_BUCKET": "sana-artefacts-test", "SANA_DATA_BUCKET": "sana-data-test"}
+    assert env["NEURON_COMPILE_CACHE_URL" if role(node) == "trn" else "SANA_CACHE_ROOT"].startswith(fsx)
+    assert env["AWS_DEFAULT_REGION"] == "eu-west-1"
+    efa = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+    if role(node) == "gpu":
+        assert efa.items() <= env.items()
+        assert env["NCCL_SOCKET_IFNAME"] == "^docker,lo,veth"
+        assert not [k for k in env if k.startswith("NEURON_")]
+    elif role(node) == "trn":
+        assert efa.items() <= env.items()
+        assert env["NEURON_COMPILE_CACHE_URL"] == f"{fsx}/cache/neuron"
+        assert env["NEURON_CC_FLAGS"] == "--model-type=transformer"
+        assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
+        assert env["MALLOC_ARENA_MAX"] == "64"
+        assert not [k for k in env if k.startswith("NCCL_")]
+    else:
+        assert not [k for k in env if k.startswith(("NCCL_", "NEURON_", "FI_"))]
+
+
+def test_region_in_the_profile_yields_to_an_explicit_one(cluster):
+    c, _, _ = cluster
+    profile = c.root("login-1") / "etc/profile.d/sana-platform.sh"
+    out = subprocess.run(["sh", "-c", f'. "{profile}"; echo "$AWS_DEFAULT_REGION"'],
+                         env={"PATH": os.environ["PATH"], "AWS_DEFAULT_REGION": "us-west-2"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "us-west-2"
+
+
+def test_shared_directories_exist_with_their_modes(cluster):
+    c, _, _ = cluster
+    modes = {"envs": 0o755, "platform": 0o755, "logs/provision": 0o755, "checkpoints": 0o1777,
+             "logs": 0o1777, "data": 0o1777, "cache": 0o1777, "cache/neuron": 0o1777,
+             "cache/huggingface": 0o1777}
+    assert {d: (c.fsx / d).stat().st_mode & 0o7777 for d in modes} == modes
+
+
+def test_package_installed_under_its_hash_with_a_current_link(cluster):
+    c, _, _ = cluster
+    current = c.fsx / "platform/current"
+    assert os.readlink(current) == "pkg0001"
+    assert (current / "training/__init__.py").read_text() == (c.bundle / "training/__init__.py").read_text()
+    assert (c.fsx / "platform/pkg0001").stat().st_mode & 0o777 == 0o755
+    assert not list((c.fsx / "platform").glob(".incoming-*"))  # no leftovers from the losers' copies
+
+
+@pytest.mark.parametrize("kind,modules", [("gpu", "torch"), ("neuron", "torch, torch_xla")])
+def test_env_is_ready_and_runs_the_package(cluster, kind, modules):
+    c, _, _ = cluster
+    link = c.fsx / "envs" / kind
+    target = os.readlink(link)
+    assert re.fullmatch(rf"{kind}-[0-9a-f]{{12}}", target)
+    assert (c.fsx / "envs" / target / ".sana-env-ready").read_text().startswith("key=")
+    # What a job does: the env's python, from the profile, imports the backend and the
+    # package installed on FSx (through the env's .pth, not PYTHONPATH or the cwd).
+    env = profile_env(c, "gpu-1" if kind == "gpu" else "trn-1")
+    python = Path(env[f"SANA_ENV_{kind.upper()}"]) / "bin/python"
+    out = subprocess.run([str(python), "-I", "-c", f"import {modules}, training; print({modules.replace(', ', '.STANDIN, ')}.STANDIN,"
+                          " training.VERSION, training.__file__)"], cwd="/", capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [*modules.split(", "), "pkg0001",
+                                  f"{env['SANA_PLATFORM_DIR']}/training/__init__.py"]
+
+
+def test_status_file_per_node_lists_ready(cluster):
+    c, _, _ = cluster
+    files = sorted((c.fsx / "logs/provision").glob("*.status"))
+    assert [f.stem for f in files] == sorted(NODES)
+    for f in files:
+        (line,) = f.read_text().splitlines()
+        group, ip = NODES[f.stem]
+        assert re.match(rf"^\S+Z READY node={f.stem} group={group} role={group} ip={ip} package=pkg0001", line), line
+
+
+def test_accelerator_nodes_ask_their_driver(cluster):
+    c, _, _ = cluster
+
+    def calls(node: str) -> str:
+        path = c.root(node) / "standin-calls.log"
+        return path.read_text() if path.exists() else ""
+    assert "nvidia-smi --list-gpus" in calls("gpu-1") and "neuron-ls" not in calls("gpu-1")
+    assert "neuron-ls" in calls("trn-1") and "nvidia-smi" not in calls("trn-1")
+    assert "nvidia-smi" not in calls("controller-1") and "neuron-ls" not in calls("controller-1")
+    assert "apt-get" not in "".join(calls(n) for n in NODES)
+
+
+def test_rerun_is_idempotent(cluster):
+    """Node replacement runs on_create.sh again: same result, no second build."""
+    c, _, _ = cluster
+
+    def snapshot(node: str) -> dict:
+        return {"profile": (c.root(node) / "etc/profile.d/sana-platform.sh").read_bytes(),
+                "envs": {p.name: os.readlink(p) for p in (c.fsx / "envs").iterdir() if p.is_symlink()},
+                "markers": {p.parent.name: p.read_text() for p in ready_markers(c.fsx)},
+                "package": os.readlink(c.fsx / "platform/current")}
+    before = {node: snapshot(node) for node in ("controller-1", "gpu-1", "trn-2")}
+    builds = c.builds()
+    for node in before:
+        result = c.run(node)
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert "is already built and ready" in result.stdout or role(node) == "controller"
+        assert snapshot(node) == before[node]
+    assert c.builds() == builds
+    assert len(list((c.fsx / "envs").glob("gpu-*"))) == 1
+
+
+# ---------------------------------------------------------------- failures, one line each
+
+
+def test_missing_fsx_fails_in_the_fsx_step(make_cluster):
+    c = make_cluster()
+    result = c.run("gpu-1", fsx=False, LIFECYCLE_FSX_WAIT_S="1")
+    step, cause = failure(result)
+    assert step == "fsx"
+    assert cause.startswith(f"{c.root('gpu-1')}/fsx is not mounted after 1s")
+    assert "FsxLustreConfig" in cause
+    assert c.log("gpu-1").splitlines()[-1] == result.stdout.splitlines()[-1]
+    assert not (c.root("gpu-1") / "etc/profile.d/sana-platform.sh").exists()
+    assert not (c.fsx / "envs").exists()
+
+
+@pytest.mark.parametrize("problem,expected", [
+    ("missing", "cannot read the HyperPod resource config"),
+    ("malformed", "is not valid JSON"),
+    ("no-groups", "has no InstanceGroups list"),
+])
+def test_unreadable_resource_config_fails_in_the_identity_step(make_cluster, problem, expected):
+    c = make_cluster()
+    config = c.base / "resource_config.json"
+    if problem == "malformed":
+        config.write_text('{"InstanceGroups": [')
+    elif problem == "no-groups":
+        config.write_text('{"ClusterConfig": {}}')
+    result = c.run("login-1", SAGEMAKER_RESOURCE_CONFIG_PATH=str(config))
+    step, cause = failure(result)
+    assert (step, str(config) in cause, expected in cause) == ("identity", True, True), cause
+    assert not (c.fsx / "platform").exists()
+
+
+def test_node_ip_not_in_resource_config_fails_naming_the_addresses(make_cluster):
+    c = make_cluster()
+    result = c.run("gpu-1", STANDIN_NODE_IPS="10.9.9.9 172.17.0.1")
+    step, cause = failure(result)
+    assert step == "identity"
+    assert "none of this node's addresses (10.9.9.9 172.17.0.1) is a CustomerIpAddress" in cause
+    assert "10.1.1.1" in cause  # names what the config does list
+
+
+def test_group_without_a_role_in_settings_fails(make_cluster):
+    c = make_cluster()
+    settings = c.bundle / "platform-settings.json"
+    settings.write_text(settings.read_text().replace('"trn": "trn"', '"trn-old": "trn"'))
+    step, cause = failure(c.run("trn-1"))
+    assert step == "identity"
+    assert "instance group 'trn' has no role in platform-settings.json groups" in cause
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (lambda s: s.replace('"fsx_mount": "/fsx",', ""), "key 'fsx_mount' is missing"),
+    (lambda s: s.replace('"gpu": "gpu"', '"gpu": "gpus"'), "groups['gpu'] = 'gpus' is not one of"),
+    (lambda s: s.replace('"package_hash": "pkg0001"', '"package_hash": "../x"'), "must be a plain directory name"),
+    (lambda s: s[:-3], "not valid JSON"),
+])
+def test_bad_settings_fail_in_the_settings_step(make_cluster, edit, expected):
+    c = make_cluster()
+    settings = c.bundle / "platform-settings.json"
+    settings.write_text(edit(settings.read_text()))
+    step, cause = failure(c.run("controller-1"))
+    assert step == "settings" and expected in cause and str(settings) in cause, cause
+
+
+@pytest.mark.slow
+def test_failed_env_build_is_never_marked_ready_and_the_next_boot_recovers(make_cluster, wheels, standins):
+    c = make_cluster(gpu_requirements=f"{wheels['torch']}\n/nonexistent/wheels/diffusers-0.0.0-py3-none-any.whl\n")
+    result = c.run("gpu-1")
+    step, cause = failure(result)
+    assert step == "env-gpu"
+    assert cause.startswith("pip install -r ") and "requirements-gpu.txt failed (exit 1)" in cause
+    assert ready_markers(c.fsx) == []
+    assert not (c.fsx / "envs/gpu").exists(), "no env link for a failed build"
+    assert list((c.fsx / "envs").glob("gpu-*")) == [], "the half-built env is removed"
+    (status,) = (c.fsx / "logs/provision/gpu-1.status").read_text().splitlines()
+    assert " FAILED node=gpu-1 " in status and " step=env-gpu cause=pip install -r " in status
+
+    # The stack ships a fixed package (new hash); the replacement node builds and is ready.
+    fixed = make_bundle(c.base / "bundle-fixed", wheels, package_hash="pkg0002")
+    c2 = Cluster(c.base, fixed, standins)
+    result = c2.run("gpu-2")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert [p.parent.name for p in ready_markers(c.fsx)] == [os.readlink(c.fsx / "envs/gpu")]
+    assert len(c2.builds()) == 2  # the failed one and the good one
+    assert os.readlink(c.fsx / "platform/current") == "pkg0002"
+
+
+def test_waiting_for_another_nodes_build_times_out_in_one_line(make_cluster):
+    c = make_cluster()
+    locks = c.fsx / "envs/.locks"
+    locks.mkdir(parents=True)
+    with open(locks / "gpu.lock", "w") as held:  # another node is building (flock(2), as flock(1))
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result = c.run("gpu-1", LIFECYCLE_ENV_LOCK_TIMEOUT_S="1")
+    step, cause = failure(result)
+    assert step == "env-gpu"
+    assert cause.startswith(f"timed out after 1s waiting for {locks}/gpu.lock")
+    assert ready_markers(c.fsx) == [] and c.builds() == []
