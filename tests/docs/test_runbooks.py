@@ -1,0 +1,129 @@
+"""Keep the README and runbooks true: every project command they show must exist.
+
+Collects commands from fenced code blocks and inline code in README.md and
+runbooks/*.md, then checks that each make target, training module and flag, job
+script and cdk context key they name exists, and that relative links resolve.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = sorted([REPO / "README.md", *(REPO / "runbooks").glob("*.md")])
+FENCE = re.compile(r"```[a-zA-Z]*\n(.*?)```", re.S)
+INLINE = re.compile(r"`([^`\n]+)`")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+def _command_lines(text: str) -> list[str]:
+    """Shell lines from code blocks (continuations joined) plus inline code spans."""
+    lines: list[str] = []
+    for block in FENCE.findall(text):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = line.strip().removeprefix("$ ").strip()
+            if line and not line.startswith("#"):
+                lines.extend(part.strip() for part in re.split(r"&&|;|\|\|", line))
+    stripped = FENCE.sub("", text)
+    lines.extend(span.strip() for span in INLINE.findall(stripped))
+    return lines
+
+
+def _commands(kind: str) -> list[tuple[str, str]]:
+    """(doc, command) pairs whose command invokes the project in the given way."""
+    patterns = {
+        "make": re.compile(r"^make(\s|$)"),
+        "python": re.compile(r"(^|\s)python3? -m training(\.[a-z_]+)?(\s|$)"),
+        "sbatch": re.compile(r"(^|\s)sbatch\s"),
+        "cdk": re.compile(r"(^|\s)(npx )?cdk\s"),
+    }
+    found = []
+    for doc in DOCS:
+        for line in _command_lines(doc.read_text()):
+            if patterns[kind].search(line):
+                found.append((_rel(doc), line))
+    return found
+
+
+def _tokens(command: str) -> list[str]:
+    try:
+        return shlex.split(command, comments=True)
+    except ValueError:
+        return command.split()
+
+
+@functools.cache
+def _make_targets() -> frozenset[str]:
+    text = (REPO / "Makefile").read_text()
+    return frozenset(re.findall(r"^([a-zA-Z][\w-]*)\s*:(?!=)", text, re.M))
+
+
+@functools.cache
+def _module_help(module: str) -> str:
+    python = REPO / ".venv" / "bin" / "python"
+    proc = subprocess.run([str(python if python.exists() else sys.executable), "-m", module, "--help"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"`python -m {module} --help` failed:\n{proc.stderr[-2000:]}"
+    return proc.stdout
+
+
+def test_docs_exist_and_show_project_commands():
+    assert (REPO / "README.md").exists()
+    assert len(DOCS) > 5, "runbooks/ should hold the operator pages"
+    assert _commands("make"), "README should show the make quickstart"
+
+
+@pytest.mark.parametrize(("doc", "command"), _commands("make"))
+def test_make_targets_exist(doc, command):
+    for target in _tokens(command)[1:]:
+        if target.startswith("-") or "=" in target:
+            continue
+        assert target in _make_targets(), f"{doc}: `{command}` names make target {target!r}, not in Makefile"
+
+
+@pytest.mark.parametrize(("doc", "command"), _commands("python"))
+def test_training_modules_and_flags_exist(doc, command):
+    tokens = _tokens(command)
+    module = tokens[tokens.index("-m") + 1]
+    path = REPO / Path(*module.split("."))
+    assert path.with_suffix(".py").exists() or (path / "__main__.py").exists(), \
+        f"{doc}: `{command}` runs {module}, which does not exist"
+    helptext = _module_help(module)
+    for flag in (t.split("=")[0] for t in tokens if t.startswith("--")):
+        assert flag in helptext, f"{doc}: `{command}` uses {flag}, not in `python -m {module} --help`"
+
+
+@pytest.mark.parametrize(("doc", "command"), _commands("sbatch"))
+def test_job_scripts_exist(doc, command):
+    scripts = [t for t in _tokens(command) if t.endswith(".sbatch")]
+    assert scripts, f"{doc}: `{command}` submits no .sbatch script"
+    for script in scripts:
+        assert (REPO / script).exists() or (REPO / "training" / "slurm" / Path(script).name).exists(), \
+            f"{doc}: `{command}` submits {script}, which does not exist"
+
+
+def _doc_links() -> list[tuple[str, str]]:
+    links = []
+    for doc in DOCS:
+        for target in LINK.findall(FENCE.sub("", doc.read_text())):
+            if not re.match(r"^[a-z]+:", target) and not target.startswith("#"):
+                links.append((_rel(doc), target))
+    return links
+
+
+@pytest.mark.parametrize(("doc", "target"), _doc_links())
+def test_relative_links_resolve(doc, target):
+    path = (REPO / doc).parent / target.split("#")[0]
+    assert path.exists(), f"{doc}: link to {target} does not resolve"
