@@ -1,0 +1,518 @@
+"""Trainium backend: torch-xla on NeuronCores (``PJRT_DEVICE=NEURON``), or on torch-xla's
+CPU device in tests (``PJRT_DEVICE=CPU``).
+
+What makes XLA different from the eager GPU backend, and how this file handles it:
+
+- **One graph per optimizer step.** Every op is traced lazily; ``sync()`` (``torch_xla.sync``)
+  cuts the trace and launches it, once per step. Nothing else here cuts a graph inside a
+  step: no ``.item()``, no ``print`` of a tensor, no branch on a tensor value. Loss and
+  grad-norm reach the host through ``on_host`` -> ``xm.add_step_closure``, which runs after
+  the step's graph executed, and only when the loop asks (its logging interval).
+- **Static shapes.** The loader gives fixed shapes (padding + drop_last). A new shape or a
+  new Python constant in the graph means a new neuronx-cc compile (minutes for 600M).
+  ``compile_stats()`` exposes the compile count/seconds so tests and bench can prove the
+  graph stayed the same.
+- **No DDP wrapper.** Data parallelism is an explicit gradient all-reduce in
+  ``clip_and_step`` (``xm.reduce_gradients``, the same call ``xm.optimizer_step`` makes),
+  or the reduce-scatter inside torch_xla's ``ZeroRedundancyOptimizer`` (ZeRO-1).
+- **Host batches are transferred without a background reader.** torch-xla's
+  ``MpDeviceLoader`` is NOT used on purpose: (1) it calls ``torch_xla.sync()`` on every
+  ``next()``, which with gradient accumulation would cut one graph per micro-batch instead
+  of one per optimizer step, and (2) its thread reads the loader ahead, so the loader's
+  ``state_dict()`` at checkpoint time would be ahead of training by the prefetch depth and
+  a resume would skip samples. The FeatureLoader already prefetches host batches in its
+  own thread with exact position tracking, and ``torch_xla.sync()`` returns before the
+  device finishes, so the next batch's host read and transfer overlap the running step.
+
+Precision modes (``TrainConfig.precision``), and the trade-off:
+
+- ``fp32``: fp32 weights and compute. Reference numerics; slowest on NeuronCores
+  (the matmul engines are bf16-native; fp32 runs at a fraction of the rate).
+- ``bf16-mixed``: fp32 master weights and AdamW state, forward under
+  ``torch.autocast("xla", dtype=torch.bfloat16)``. Accurate updates without special
+  runtime settings; weights + states cost 16 bytes/parameter (with ZeRO-1: 4 + 12/N).
+- ``bf16``: pure bf16 weights, gradients and AdamW state: 8 bytes/parameter and the
+  fastest step, but an update smaller than half a bf16 ulp of the weight rounds away
+  under round-to-nearest, so training stalls silently. The Neuron runtime's stochastic
+  rounding (``NEURON_RT_STOCHASTIC_ROUNDING_EN=1``) makes that rounding unbiased; this
+  backend sets it and refuses an explicit ``0``. With ZeRO-1 the optimizer keeps an fp32
+  copy of its own shard (``optimizer_dtype=float32``), i.e. bf16 compute with sharded fp32
+  master weights - the usual large-model recipe on Trainium.
+
+State dicts leave this backend as the GPU backend's do (training/backends/state.py): full,
+CPU, name-keyed, complete on rank 0 and empty on the others; a device->host copy of every
+tensor is made on rank 0 only, between ``xm.rendezvous`` fences (``xm.save`` would make one
+CPU copy per rank and exhaust host RAM for 1.6B on 32 ranks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from training.backends.base import Backend, Batch
+from training.backends.neuron_config import NeuronConfig
+from training.backends.state import from_named_optimizer_state, param_names, to_named_optimizer_state
+from training.errors import UserError
+
+log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+#: set by the backend in precision "bf16"; see the module docstring
+STOCHASTIC_ROUNDING_ENV = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
+COMPILE_CACHE_ENV = "NEURON_COMPILE_CACHE_URL"
+
+
+def neuron_status() -> tuple[bool, str]:
+    """Whether the Neuron pieces (torch-neuronx, its compiler) are importable, and why not.
+
+    They exist only on the Neuron pip repository (PyPI holds empty placeholders), so the
+    CPU test path runs without them; the answer goes into ``describe()`` and the log.
+    """
+    try:
+        import torch_neuronx  # noqa: F401
+    except ImportError as exc:
+        return False, (f"torch-neuronx not importable ({exc}); running torch-xla on PJRT_DEVICE="
+                       f"{os.environ.get('PJRT_DEVICE', '<unset>')}. On a trn node install "
+                       "training/requirements-neuron.txt with the Neuron pip index.")
+    return True, "torch-neuronx " + getattr(torch_neuronx, "__version__", "?")
+
+
+def apply_neuron_env(cfg: NeuronConfig, precision: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """Set the environment the Neuron runtime/compiler read at start-up; returns what it set.
+
+    Must run before the first XLA device is created: the runtime reads these once.
+
+    Args:
+        cfg: the trainium section.
+        precision: the run's precision mode.
+        env: the environment to edit (``os.environ`` by default; tests pass a dict).
+    """
+    env = os.environ if env is None else env
+    changed: dict[str, str] = {}
+
+    def put(key: str, value: str) -> None:
+        env[key] = value
+        changed[key] = value
+
+    if precision == "bf16" and cfg.stochastic_rounding:
+        current = env.get(STOCHASTIC_ROUNDING_ENV)
+        if current is None:
+            put(STOCHASTIC_ROUNDING_ENV, "1")
+        elif current != "1":
+            raise UserError(f"{STOCHASTIC_ROUNDING_ENV}={current}: precision 'bf16' keeps bf16 weights and "
+                            "needs stochastic rounding or small updates round away; unset it (the backend "
+                            "sets 1), use precision 'bf16-mixed', or set trainium.stochastic_rounding=false")
+    if cfg.compile_cache_url:
+        put(COMPILE_CACHE_ENV, cfg.compile_cache_url)
+    if cfg.cc_flags:
+        flags = env.get("NEURON_CC_FLAGS", "")
+        missing = [f for f in cfg.cc_flags.split() if f not in flags.split()]
+        if missing:
+            put("NEURON_CC_FLAGS", " ".join([*flags.split(), *missing]))
+    if cfg.allreduce_bucket_mb:
+        put("ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB", str(cfg.allreduce_bucket_mb))
+    return changed
+
+
+def _cast_floats_to_bf16(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Pure-bf16 forward pre-hook (same rule as the GPU backend's): inputs follow the bf16
+    weights; the timestep stays fp32 because the embedding casts it itself."""
+    def cast(name: str, v: Any) -> Any:
+        if torch.is_tensor(v) and v.is_floating_point() and name != "timestep":
+            return v.to(torch.bfloat16)
+        return v
+    return tuple(cast("", a) for a in args), {k: cast(k, v) for k, v in kwargs.items()}
+
+
+def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create Adam/AdamW state now, as zeros on the device, exactly as its first step would.
+
+    Without this, step 0 traces a different graph (it creates the moments) from every later
+    step: two neuronx-cc compiles of the full training graph instead of one (minutes each for
+    600M). Filling the state up front makes step 0 run the steady graph. Other optimizers are
+    left alone (they compile twice, correctly).
+    """
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam in torch >= 2.6
+        return
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in optimizer.param_groups:
+        if group.get("capturable") or group.get("fused"):
+            return  # their step counter lives on the device: let torch create it
+        for p in group["params"]:
+            if optimizer.state.get(p):
+                continue
+            # Host zeros + one transfer: device data, not a traced fill op in the first graph.
+            state = {"step": torch.tensor(0.0, dtype=scalar),
+                     "exp_avg": torch.zeros(p.shape, dtype=p.dtype).to(p.device),
+                     "exp_avg_sq": torch.zeros(p.shape, dtype=p.dtype).to(p.device)}
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=p.dtype).to(p.device)
+            optimizer.state[p] = state
+
+
+class NeuronBackend(Backend):
+    """torch-xla backend for NeuronCores (one process per core under torchrun)."""
+
+    name = "trainium"
+
+    def __init__(self, cfg: NeuronConfig, *, precision: str = "bf16-mixed") -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision: {precision!r} is not one of {PRECISIONS}")
+        self.cfg = cfg
+        self.precision = precision
+        self.device = torch.device("cpu")  # until init()
+        self.neuron_available, self.neuron_note = False, "not initialised"
+        self._owns_group = False
+        self._zero: Any = None  # the ZeroRedundancyOptimizer, when cfg.zero1
+        self._zero_model: nn.Module | None = None
+        self.syncs = 0  # torch_xla.sync() calls made through sync(): one per optimizer step
+
+    # ----- lifecycle ---------------------------------------------------------
+    def init(self) -> None:
+        apply_neuron_env(self.cfg, self.precision)
+        self.neuron_available, self.neuron_note = neuron_status()
+        log.info("trainium backend: %s", self.neuron_note)
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            import torch.distributed as dist
+            import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
+
+            if not dist.is_initialized():
+                # torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR) through the xla:// init method
+                dist.init_process_group("xla", init_method="xla://")
+                self._owns_group = True
+        self.device = torch_xla.device()
+        self.rank = xr.global_ordinal()
+        self.world_size = xr.world_size()
+        self.local_rank = xr.local_ordinal()
+
+    def close(self) -> None:
+        if self._owns_group:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        self._owns_group = False
+
+    # ----- model and optimizer ---------------------------------------------
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        if getattr(model, "is_gradient_checkpointing", False):
+            # torch.utils.checkpoint fails on XLA ("module 'torch' has no attribute 'xla'");
+            # torch_xla's version adds the optimization barrier that stops XLA's CSE from
+            # undoing the recomputation. diffusers takes the function as an argument.
+            from torch_xla.utils.checkpoint import checkpoint
+
+            model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
+        if self.precision == "bf16":
+            model.to(torch.bfloat16)
+            model.register_forward_pre_hook(_cast_floats_to_bf16, with_kwargs=True)
+        model.to(self.device)
+        if self.world_size > 1:
+            # Same seed on every rank should already give the same init; broadcasting rank 0's
+            # parameters makes it a guarantee (and covers a pretrained load on rank 0 only).
+            import torch_xla
+            import torch_xla.core.xla_model as xm
+
+            xm.broadcast_master_param(model)
+            torch_xla.sync()
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model  # no wrapper: the all-reduce is explicit in clip_and_step
+
+    def build_optimizer(self, model: nn.Module, make: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+                        ) -> torch.optim.Optimizer:
+        params = [p for p in self.unwrap(model).parameters() if p.requires_grad]
+        optimizer = make(params)
+        if not self.cfg.zero1:
+            init_adam_state(optimizer)
+            return optimizer
+        from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+
+        # ZeRO-1 takes an optimizer *class*; ``make`` gives an instance. Its param_groups carry
+        # every hyper-parameter (lr, betas, eps, weight_decay, ...), so passing them as groups
+        # rebuilds the same optimizer over the shards. It holds no state yet, so nothing is lost.
+        # grad_clipping stays on so the wrapper computes the global norm over the reduced shards;
+        # clip_and_step sets max_norm per call (inf = measure only).
+        zero = ZeroRedundancyOptimizer(
+            [dict(group) for group in optimizer.param_groups], type(optimizer),
+            optimizer_dtype=torch.float32, grad_clipping=True, max_norm=float("inf"),
+            pin_layout=True, save_master_weights=False)
+        init_adam_state(zero.base_optimizer)
+        self._zero, self._zero_model = zero, self.unwrap(model)
+        return zero
+
+    # ----- the step -----------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == "bf16-mixed":
+            return torch.autocast("xla", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        # See the module docstring for why this is not MpDeviceLoader.
+        import torch_xla.core.xla_model as xm
+
+        for batch in batches:
+            yield xm.send_cpu_data_to_device(batch, self.device)
+
+    def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
+                      ) -> torch.Tensor:
+        limit = float(max_norm) if max_norm > 0 else float("inf")
+        if optimizer is self._zero:
+            # The wrapper reduce-scatters the gradients, computes the global norm over the
+            # shards (one extra all-reduce of a scalar), clips, steps and all-gathers weights.
+            optimizer.max_norm = limit
+            optimizer.step()
+            return optimizer.grad_norm.float()
+        import torch_xla.core.xla_model as xm
+
+        xm.reduce_gradients(optimizer)  # all-reduce (mean) across ranks; no-op on one device
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in params]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if max_norm > 0:
+            # On device: coefficient clamp, no host branch on the norm.
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        optimizer.step()
+        return norm.float()
+
+    def sync(self) -> None:
+        import torch_xla
+
+        torch_xla.sync()
+        self.syncs += 1
+
+    def on_host(self, fn: Callable[..., None], *tensors: torch.Tensor) -> None:
+        if self.cfg.precompile:
+            # neuron_parallel_compile's graphs return zeros: reading them would log garbage
+            # (or trip a NaN/divergence check); the step's graph is traced all the same.
+            return
+        import torch_xla.core.xla_model as xm
+
+        def closure(*values: torch.Tensor) -> None:
+            fn(*(float(v.detach().float().cpu()) for v in values))
+
+        xm.add_step_closure(closure, args=tuple(t.detach() for t in tensors))
+
+    # ----- collectives / state ------------------------------------------------
+    def barrier(self) -> None:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        if self.world_size > 1:
+            xm.rendezvous("sana-barrier")
+        else:
+            torch_xla.sync()  # same ordering guarantee for pending work, no collective graph
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        import pickle
+
+        import torch_xla.core.xla_model as xm
+
+        payloads = xm.rendezvous("sana-broadcast", pickle.dumps(obj) if self.is_main else b"")
+        return pickle.loads(payloads[0])
+
+    def _flush(self) -> None:
+        """Materialise pending work before reading tensors (not counted as a step sync)."""
+        import torch_xla
+
+        torch_xla.sync()
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        self.barrier()
+        state: dict[str, torch.Tensor] = {}
+        if self.is_main:
+            state = {k: v.detach().cpu().clone() for k, v in self.unwrap(model).state_dict().items()}
+        self.barrier()
+        return state
+
+    def _all_ranks_have(self, state: Mapping[str, Any]) -> bool:
+        """True when every rank was handed a non-empty state (the Checkpointer reads the files on
+        every rank; a caller may also hand the full state to rank 0 only, as on the GPU backend)."""
+        if self.world_size == 1:
+            return True
+        import torch_xla.core.xla_model as xm
+
+        flags = xm.rendezvous("sana-have-state", b"1" if state else b"0")
+        return all(flag == b"1" for flag in flags)
+
+    def load_model_state_dict(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+        inner = self.unwrap(model)
+        everyone = self._all_ranks_have(state)
+        if everyone or self.is_main:
+            own = inner.state_dict(keep_vars=True)  # the Parameter/buffer objects themselves
+            missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+            if missing or unexpected:
+                raise UserError(f"model state: does not match this model (missing {missing[:3]}, "
+                                f"unexpected {unexpected[:3]}); resume with the same model preset/overrides")
+            with torch.no_grad():
+                for name, tensor in own.items():
+                    # Swap the device data instead of copy_(): a copy would be an op traced into
+                    # the first training step's graph, i.e. one more compile of a one-off graph.
+                    tensor.data = state[name].to(dtype=tensor.dtype).to(self.device)
+        if not everyone:
+            import torch_xla.core.xla_model as xm
+
+            xm.broadcast_master_param(inner)  # rank 0's weights to every rank, on device
+            self._flush()
+            state = {k: v.detach().cpu() for k, v in inner.state_dict().items()} if self._zero else {}
+        if self._zero is not None and self._zero_model is inner:
+            self._reshard_zero(inner, state)
+        self._flush()
+
+    # ZeRO-1: each rank's optimizer holds an fp32 shard (rows [r*n/N, (r+1)*n/N) of the
+    # zero-padded first dimension) of every parameter, and AdamW state of that shard.
+    def _zero_pairs(self, model: nn.Module) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
+        names = param_names(model)
+        zero = self._zero
+        return [(names[id(p)], p, s)
+                for group, sgroup in zip(zero.param_groups, zero.base_optimizer.param_groups, strict=True)
+                for p, s in zip(group["params"], sgroup["params"], strict=True)]
+
+    def _reshard_zero(self, model: nn.Module, full: Mapping[str, torch.Tensor]) -> None:
+        """Refresh the optimizer's fp32 master shards from a loaded full state (else the next
+        step would all-gather the stale shards over the loaded weights)."""
+        for name, _param, shard in self._zero_pairs(model):
+            piece = self._zero._shard_tensor(full[name].detach().to(torch.float32))
+            shard.data = piece.to(self.device)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        inner = self.unwrap(model)
+        self.barrier()
+        if optimizer is not self._zero:
+            out = to_named_optimizer_state(inner, optimizer) if self.is_main else {}
+            self.barrier()
+            return out
+        import torch_xla.core.xla_model as xm
+
+        # Gather every shard's state into full tensors (collective), then keep them on rank 0.
+        base = self._zero.base_optimizer
+        state: dict[str, dict[str, Any]] = {}
+        for name, param, shard in self._zero_pairs(inner):
+            entry = base.state.get(shard)
+            if not entry:
+                continue
+            full_entry: dict[str, Any] = {}
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.shape == shard.shape and value.dim() > 0:
+                    gathered = xm.all_gather(value, dim=0) if self.world_size > 1 else value
+                    value = gathered[: param.shape[0]]
+                full_entry[key] = value
+            state[name] = full_entry
+        self._flush()
+        out: dict[str, Any] = {}
+        if self.is_main:
+            names = param_names(inner)
+            out = {"state": {n: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
+                                 for k, v in e.items()} for n, e in state.items()},
+                   "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
+                                     "params": [names[id(p)] for p in g["params"]]}
+                                    for g in self._zero.param_groups]}
+        self.barrier()
+        return out
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: Mapping[str, Any]) -> None:
+        inner = self.unwrap(model)
+        if not self._all_ranks_have(state):
+            # Pickled through a rendezvous: fine for tests, slow for 1.6B (the Checkpointer
+            # hands every rank the full state, so training never takes this path).
+            state = self.broadcast_object(dict(state) if self.is_main else None)
+        if optimizer is not self._zero:
+            from_named_optimizer_state(inner, optimizer, state)
+            init_adam_state(optimizer)  # parameters the checkpoint had no state for
+            self._flush()
+            return
+        # Hyper-parameters go to the wrapper (the scheduler drives its param_groups); each rank
+        # slices its own rows of every full moment tensor into the base optimizer's state.
+        zero = self._zero
+        for group, saved in zip(zero.param_groups, state["param_groups"], strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        base = zero.base_optimizer
+        for name, _param, shard in self._zero_pairs(inner):
+            saved = state["state"].get(name)
+            if not saved:
+                continue
+            entry: dict[str, Any] = {}
+            for key, value in saved.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    value = zero._shard_tensor(value.to(torch.float32)).to(self.device)
+                entry[key] = value
+            base.state[shard] = entry
+        init_adam_state(base)
+        zero._sync_param_groups(zero.param_groups, base.param_groups)
+        self._flush()
+
+    def rng_state(self) -> dict[str, Any]:
+        import torch_xla.core.xla_model as xm
+
+        return {"xla_seed": int(xm.get_rng_state())}
+
+    def set_rng_state(self, state: Mapping[str, Any]) -> None:
+        if "xla_seed" in state:
+            import torch_xla.core.xla_model as xm
+
+            xm.set_rng_state(int(state["xla_seed"]))
+
+    def peak_memory_bytes(self) -> int | None:
+        try:
+            import torch_xla.core.xla_model as xm
+
+            info = xm.get_memory_info(self.device)
+        except Exception:  # PJRT CPU and older runtimes do not report memory
+            return None
+        peak = info.get("peak_bytes_used") or info.get("bytes_used")
+        return int(peak) if peak is not None else None
+
+    # ----- observability ------------------------------------------------------
+    def compile_stats(self) -> dict[str, Any]:
+        """XLA compile count/seconds and host transfers so far in this process.
+
+        ``compiles`` counts graph compilations (on Neuron: neuronx-cc runs or compile-cache
+        loads); a number that still grows after warm-up means a recompiling step.
+        ``transfers_from_device`` counts device->host copies; ``local_scalar_dense`` counts
+        ``.item()``-style reads (each one stalls the step it happens in).
+        """
+        import torch_xla.debug.metrics as met
+
+        def metric(name: str) -> tuple[int, float]:
+            data = met.metric_data(name)
+            return (int(data[0]), float(data[1]) / 1e9) if data else (0, 0.0)
+
+        compiles, compile_s = metric("CompileTime")
+        transfers, transfer_s = metric("TransferFromDeviceTime")
+        executes, execute_s = metric("ExecuteTime")
+        return {"compiles": compiles, "compile_seconds": round(compile_s, 3),
+                "executions": executes, "execute_seconds": round(execute_s, 3),
+                "transfers_from_device": transfers, "transfer_seconds": round(transfer_s, 3),
+                "local_scalar_dense": int(met.counter_value("aten::_local_scalar_dense") or 0),
+                "syncs": self.syncs}
+
+    def describe(self) -> dict[str, Any]:
+        info: dict[str, Any] = {**super().describe(), "precision": self.precision,
+                                "zero1": self.cfg.zero1, "torch": torch.__version__,
+                                "neuron": self.neuron_available, "neuron_note": self.neuron_note,
+                                "per_node": int(os.environ.get("LOCAL_WORLD_SIZE", 1))}
+        try:
+            import torch_xla
+            import torch_xla.runtime as xr
+
+            info["torch_xla"] = torch_xla.__version__
+            info["pjrt_device"] = xr.device_type()
+            info["accelerator"] = "neuroncore" if xr.device_type() == "NEURON" else f"xla-{xr.device_type()}"
+        except ImportError:
+            pass
+        if self.device.type == "xla":
+            info["compile"] = self.compile_stats()
+        return info
