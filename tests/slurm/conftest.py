@@ -51,9 +51,37 @@ def _node_hardware() -> str:
     return " ".join(word for word in first.split() if not word.startswith("NodeName="))
 
 
-def _slurm_conf(root: Path, *, node: str, hardware: str, ctld_port: int, slurmd_port: int) -> str:
+def _build_auto_resume_stub(root: Path) -> Path | None:
+    """Compile the stand-in for HyperPod's `srun --auto-resume` SPANK plugin; returns the
+    plugstack.conf that loads it, or None without a C compiler (that one test then skips)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    major, minor, micro = (int(part) for part in
+                           re.search(r"(\d+)\.(\d+)\.(\d+)", _slurmd_version()).groups())
+    plugin = root / "spank" / "auto_resume_stub.so"
+    plugin.parent.mkdir()
+    build = subprocess.run([compiler, "-shared", "-fPIC", "-O2",
+                            f"-DSLURM_VERSION_NUMBER={(major << 16) | (minor << 8) | micro}u",
+                            "-o", str(plugin), str(Path(__file__).with_name("auto_resume_stub.c"))],
+                           capture_output=True, text=True)
+    if build.returncode != 0:
+        return None
+    plugstack = root / "plugstack.conf"
+    plugstack.write_text(f"required {plugin} {root / 'auto-resume.record'}\n")
+    return plugstack
+
+
+def _slurmd_version() -> str:
+    return subprocess.run(["slurmd", "-V"], capture_output=True, text=True, check=True).stdout
+
+
+def _slurm_conf(root: Path, *, node: str, hardware: str, ctld_port: int, slurmd_port: int,
+                plugstack: Path | None) -> str:
+    plugstack_line = f"PlugStackConfig={plugstack}" if plugstack else "# no C compiler: no SPANK stub"
     return f"""\
 ClusterName=sanatest
+{plugstack_line}
 SlurmctldHost={node}(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
@@ -98,6 +126,8 @@ class SlurmCluster:
     root: Path
     conf: Path
     node: str
+    #: where the auto-resume SPANK stub records `srun --auto-resume` (None: stub not built)
+    auto_resume_record: Path | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def env(self, **extra: str) -> dict[str, str]:
@@ -227,9 +257,11 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     root.chmod(0o755)
     node = socket.gethostname().split(".")[0]
     conf = root / "slurm.conf"
-    conf.write_text(_slurm_conf(root, node=node, hardware=_node_hardware(),
-                                ctld_port=_free_port(), slurmd_port=_free_port()))
-    cluster = SlurmCluster(root=root, conf=conf, node=node)
+    plugstack = _build_auto_resume_stub(root)
+    conf.write_text(_slurm_conf(root, node=node, hardware=_node_hardware(), ctld_port=_free_port(),
+                                slurmd_port=_free_port(), plugstack=plugstack))
+    cluster = SlurmCluster(root=root, conf=conf, node=node,
+                           auto_resume_record=root / "auto-resume.record" if plugstack else None)
     try:
         _boot(cluster)
     except Exception as exc:  # noqa: BLE001 - reported with the daemon logs

@@ -198,3 +198,26 @@ def test_scancel_then_resubmit_continues_from_last_checkpoint_to_identical_weigh
     assert straight.keys() == resumed.keys()
     different = [name for name in straight if not straight[name].equal(resumed[name])]
     assert not different, f"{len(different)} tensors differ after resume, e.g. {different[:3]}"
+
+
+def test_on_hyperpod_srun_gets_auto_resume_and_submitted_sana_vars_beat_the_profile(
+        slurm_cluster: SlurmCluster, site: Site, tmp_path: Path) -> None:
+    if slurm_cluster.auto_resume_record is None:
+        pytest.skip("no C compiler to build the --auto-resume SPANK stub (tests/slurm/auto_resume_stub.c)")
+    marker = tmp_path / "opt-sagemaker_cluster"  # stands for /opt/sagemaker_cluster
+    marker.mkdir()
+    own_root = tmp_path / "my-checkpoints"  # a researcher's `SANA_CHECKPOINT_ROOT=... sbatch`
+    job_name = "tiny-hyperpod"
+    env = site.env(SANA_NPROC_PER_NODE="1", SANA_HYPERPOD_DIR=str(marker), SANA_CHECKPOINT_ROOT=str(own_root))
+    job_id = slurm_cluster.sbatch(SLURM_DIR / "train-gpu.sbatch", str(TINY), "--set", f"data.path={site.features}",
+                                  "--max-steps", "2", options=(f"--job-name={job_name}",), env=env,
+                                  cwd=site.submit_dir)
+    info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", job_failure(slurm_cluster, site, info, job_name, job_id)
+
+    job_log = (site.log_dir(job_name, job_id) / "job.log").read_text()
+    assert "--auto-resume=1" in job_log
+    records = slurm_cluster.auto_resume_record.read_text().splitlines()
+    assert f"{job_id} auto-resume=1" in records  # srun accepted the option and passed it to the step
+    assert complete_checkpoints(own_root / job_name)[-1] == 2
+    assert not site.run_dir(job_name).exists()

@@ -25,19 +25,22 @@ die() {
 
 # Source the node profile written by the lifecycle scripts. SANA_* variables set explicitly
 # in the submitting shell win over the profile (a researcher's `SANA_CHECKPOINT_ROOT=... sbatch`
-# must not be overwritten), except SANA_ROLE, which must describe the node the job runs on,
-# not the login node it was submitted from.
+# must not be overwritten), except the node's identity (SANA_ROLE, SANA_GROUP), which must
+# describe the node the job runs on, not the login node it was submitted from.
 load_node_profile() {
   local profile=${SANA_PROFILE:-/etc/profile.d/sana-platform.sh}
   if [[ ! -r $profile ]]; then
     echo "launch.sh: no node profile at $profile; using defaults for unset SANA_* variables"
     return 0
   fi
-  local submitted
-  submitted=$(export -p | grep -E '^declare -x SANA_[A-Z0-9_]+=' | grep -v '^declare -x SANA_ROLE=' || true)
+  local -a names
+  local -A submitted=()
+  mapfile -t names < <(compgen -e | grep -E '^SANA_' | grep -vxE 'SANA_(ROLE|GROUP)' || true)
+  local name
+  for name in "${names[@]}"; do submitted[$name]=${!name}; done
   # shellcheck source=/dev/null
   source "$profile"
-  eval "$submitted"
+  for name in "${names[@]}"; do export "$name=${submitted[$name]}"; done
   echo "launch.sh: loaded node profile $profile"
 }
 
