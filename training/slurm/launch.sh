@@ -59,28 +59,33 @@ apply_defaults() {
   export SANA_HYPERPOD_DIR=${SANA_HYPERPOD_DIR:-/opt/sagemaker_cluster}
 }
 
-# Python environment per kind: GPU kinds use the CUDA env, Trainium the Neuron env.
-# bench follows SANA_BENCH_BACKEND (gpu|trainium, default gpu) because it runs on either.
-env_dir_for() {
+# bench runs on either accelerator: the partition picks it (trn -> trainium, else gpu), and
+# SANA_BENCH_BACKEND=gpu|trainium overrides.
+bench_backend() {
+  local backend=${SANA_BENCH_BACKEND:-}
+  if [[ -z $backend ]]; then
+    [[ ${SLURM_JOB_PARTITION:-} == trn ]] && backend=trainium || backend=gpu
+  fi
+  [[ $backend == gpu || $backend == trainium ]] \
+    || die "SANA_BENCH_BACKEND=$backend: unknown; use gpu or trainium"
+  echo "$backend"
+}
+
+# The accelerator family a kind runs on: precompute needs GPUs (DC-AE + Gemma-2).
+accelerator_of() {
   case $1 in
-    gpu | precompute) echo "$SANA_ENV_GPU" ;;
-    trainium) echo "$SANA_ENV_NEURON" ;;
-    bench)
-      case ${SANA_BENCH_BACKEND:-gpu} in
-        gpu) echo "$SANA_ENV_GPU" ;;
-        trainium) echo "$SANA_ENV_NEURON" ;;
-        *) die "SANA_BENCH_BACKEND=${SANA_BENCH_BACKEND}: unknown; use gpu or trainium" ;;
-      esac
-      ;;
+    trainium) echo neuron ;;
+    bench) [[ $(bench_backend) == trainium ]] && echo neuron || echo gpu ;;
+    gpu | precompute) echo gpu ;;
     *) die "unknown job kind '$1'; use gpu, trainium, precompute or bench" ;;
   esac
 }
 
-accelerator_of() {
-  case $1 in
-    trainium) echo neuron ;;
-    bench) [[ ${SANA_BENCH_BACKEND:-gpu} == trainium ]] && echo neuron || echo gpu ;;
-    *) echo gpu ;;
+# Python environment: the CUDA env for GPU work, the Neuron env for Trainium.
+env_dir_for() {
+  case $(accelerator_of "$1") in
+    gpu) echo "$SANA_ENV_GPU" ;;
+    neuron) echo "$SANA_ENV_NEURON" ;;
   esac
 }
 
@@ -127,6 +132,14 @@ nproc_per_node() {
   echo "$count"
 }
 
+# SageMaker's name for this node's instance type (bench results carry it). Nitro instances
+# report their EC2 type as the DMI product name; "local" elsewhere.
+instance_type() {
+  local product
+  product=$(cat /sys/devices/virtual/dmi/id/product_name 2>/dev/null || true)
+  if [[ $product =~ ^[a-z][a-z0-9-]*\.[0-9]*[a-z]+$ ]]; then echo "ml.$product"; else echo local; fi
+}
+
 default_config() {
   case $1 in
     gpu | trainium | bench) echo "$PACKAGE_ROOT/training/configs/sana-600m-512.yaml" ;;
@@ -149,13 +162,17 @@ run_job() {
   [[ -n ${SLURM_JOB_ID:-} ]] || die "not inside a Slurm job; submit with sbatch (runbooks/train-slurm.md)"
   load_node_profile
   apply_defaults
-  env_dir_for "$kind" >/dev/null
+  if [[ $kind == bench ]]; then bench_backend >/dev/null; fi # fail here on a bad SANA_BENCH_BACKEND
 
   local run_name=${SLURM_JOB_NAME:-sana-$kind}
-  export SANA_RUN_DIR=$SANA_CHECKPOINT_ROOT/$run_name
   export SANA_JOB_LOG_DIR=$SANA_LOG_ROOT/$run_name-$SLURM_JOB_ID
-  mkdir -p "$SANA_RUN_DIR" "$SANA_JOB_LOG_DIR" \
-    || die "cannot create $SANA_RUN_DIR or $SANA_JOB_LOG_DIR; check SANA_CHECKPOINT_ROOT/SANA_LOG_ROOT"
+  mkdir -p "$SANA_JOB_LOG_DIR" || die "cannot create $SANA_JOB_LOG_DIR; check SANA_LOG_ROOT"
+  # Training writes into a run directory named after the Slurm job name, NOT the job id, so
+  # a resubmitted job with the same name finds its checkpoints and `--resume auto` goes on.
+  export SANA_RUN_DIR=$SANA_CHECKPOINT_ROOT/$run_name
+  if [[ $kind == gpu || $kind == trainium ]]; then
+    mkdir -p "$SANA_RUN_DIR" || die "cannot create $SANA_RUN_DIR; check SANA_CHECKPOINT_ROOT"
+  fi
   # Everything from here on (this script and every node's torchrun, labelled by srun) also
   # goes to job.log, next to the per-rank logs.
   exec > >(tee -a "$SANA_JOB_LOG_DIR/job.log") 2>&1
@@ -169,7 +186,8 @@ run_job() {
   fi
 
   echo "launch.sh: job $SLURM_JOB_ID ($run_name) kind=$kind nodes=$SLURM_JOB_NUM_NODES [$SLURM_JOB_NODELIST]"
-  echo "launch.sh: run dir $SANA_RUN_DIR; logs $SANA_JOB_LOG_DIR; env $(env_dir_for "$kind")"
+  echo "launch.sh: logs $SANA_JOB_LOG_DIR; env $(env_dir_for "$kind")"
+  if [[ $kind == gpu || $kind == trainium ]]; then echo "launch.sh: run dir (checkpoints) $SANA_RUN_DIR"; fi
   echo "launch.sh: srun ${srun_args[*]}"
   local status=0
   srun "${srun_args[@]}" bash "$LAUNCHER" node "$kind" "$@" || status=$?
@@ -202,10 +220,11 @@ run_node() {
   fi
   local -a entry=(-m "$(entry_module "$kind")")
   [[ -n $config ]] && entry+=(--config "$config")
-  # Training writes into a run directory named after the Slurm job name, NOT the job id, so
-  # a resubmitted job with the same name finds its checkpoints and `--resume auto` goes on.
   case $kind in
     gpu | trainium) entry+=(--resume auto --output-dir "$SANA_RUN_DIR") ;;
+    # Given before the user's ARGS, so an explicit --out/--instance-type there wins.
+    bench) entry+=(--backend "$(bench_backend)" --out "$SANA_JOB_LOG_DIR/bench.json"
+      --instance-type "${SANA_INSTANCE_TYPE:-$(instance_type)}") ;;
   esac
   entry+=("$@")
 
@@ -235,6 +254,10 @@ main() {
   [[ $# -ge 2 ]] || die "usage: launch.sh job|node KIND [CONFIG] [ARGS...]"
   local mode=$1
   shift
+  case $1 in
+    gpu | trainium | precompute | bench) ;;
+    *) die "unknown job kind '$1'; use gpu, trainium, precompute or bench" ;;
+  esac
   case $mode in
     job) run_job "$@" ;;
     node) run_node "$@" ;;
