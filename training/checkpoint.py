@@ -85,6 +85,9 @@ class CheckpointConfig:
     s3_mirror: str | None = None
     #: keep the newest K checkpoints under s3_mirror (0 = keep all; the bucket's lifecycle rules decide)
     s3_keep_last: int = 0
+    #: False = write no checkpoint (not even the loop's final forced save) and resume from none;
+    #: Trainium's --precompile sets it (neuron_parallel_compile's graphs return zeros)
+    enabled: bool = True
 
     def __post_init__(self) -> None:
         if not self.dir:
@@ -305,8 +308,8 @@ class Checkpointer:
 
     # ----- save --------------------------------------------------------------------------
     def due(self, step: int, force: bool = False) -> bool:
-        if step == self.last_saved_step:
-            return False  # e.g. the final forced save right after a periodic one
+        if not self.cfg.enabled or step == self.last_saved_step:
+            return False  # disabled, or e.g. the final forced save right after a periodic one
         return force or (self.cfg.every_steps > 0 and step > 0 and step % self.cfg.every_steps == 0)
 
     def maybe_save(self, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -416,7 +419,7 @@ class Checkpointer:
 
     def _resolve_on_main(self) -> Path | None:
         resume = self.cfg.resume
-        if resume == "none":
+        if resume == "none" or not self.cfg.enabled:
             return None
         if resume == "auto":
             found = find_latest(self.root)
