@@ -178,8 +178,11 @@ def test_env_is_ready_and_runs_the_package(cluster, kind, modules):
     python = Path(env[f"SANA_ENV_{kind.upper()}"]) / "bin/python"
     out = subprocess.run([str(python), "-I", "-c", f"import {modules}, training; print({modules.replace(', ', '.STANDIN, ')}.STANDIN,"
                           " training.VERSION, training.__file__)"], cwd="/", capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [*modules.split(", "), "pkg0001",
-                                  f"{env['SANA_PLATFORM_DIR']}/training/__init__.py"]
+    *standins, version, package_file = out.stdout.split()
+    assert (standins, version) == (modules.split(", "), "pkg0001")
+    # Through the platform/current link (whichever node's view of FSx built the env).
+    assert re.search(r"/fsx/platform/current/training/__init__\.py$", package_file)
+    assert Path(package_file).resolve() == (c.fsx / "platform/pkg0001/training/__init__.py").resolve()
 
 
 def test_status_file_per_node_lists_ready(cluster):
@@ -321,5 +324,5 @@ def test_waiting_for_another_nodes_build_times_out_in_one_line(make_cluster):
         result = c.run("gpu-1", LIFECYCLE_ENV_LOCK_TIMEOUT_S="1")
     step, cause = failure(result)
     assert step == "env-gpu"
-    assert cause.startswith(f"timed out after 1s waiting for {locks}/gpu.lock")
+    assert cause.startswith(f"timed out after 1s waiting for {c.root('gpu-1')}/fsx/envs/.locks/gpu.lock")
     assert ready_markers(c.fsx) == [] and c.builds() == []
