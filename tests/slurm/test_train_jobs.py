@@ -221,3 +221,19 @@ def test_on_hyperpod_srun_gets_auto_resume_and_submitted_sana_vars_beat_the_prof
     assert f"{job_id} auto-resume=1" in records  # srun accepted the option and passed it to the step
     assert complete_checkpoints(own_root / job_name)[-1] == 2
     assert not site.run_dir(job_name).exists()
+
+
+def test_a_config_error_fails_the_job_with_the_one_line_error_in_job_log(
+        slurm_cluster: SlurmCluster, site: Site, tmp_path: Path) -> None:
+    job_name = "tiny-bad-data"
+    missing = tmp_path / "no-features-here"
+    job_id = slurm_cluster.sbatch(SLURM_DIR / "train-gpu.sbatch", str(TINY), "--set", f"data.path={missing}",
+                                  options=(f"--job-name={job_name}",), env=site.env(SANA_NPROC_PER_NODE="1"),
+                                  cwd=site.submit_dir)
+    info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
+    assert info["JobState"] == "FAILED", info
+    assert info["ExitCode"] != "0:0"
+    job_log = (site.log_dir(job_name, job_id) / "job.log").read_text()
+    assert re.search(rf"error: .*{re.escape(str(missing))}", job_log), job_log[-3000:]
+    assert "step finished with exit code" in job_log
+    assert not complete_checkpoints(site.run_dir(job_name))
