@@ -29,14 +29,20 @@ source "$LIFECYCLE_DIR/common.sh"
 run_step() {
   local name=$1 script=$2 started=$SECONDS status=0
   shift 2
-  local error_file="$STATE_DIR/step-error"
+  local error_file="$STATE_DIR/step-error" output_file="$STATE_DIR/step-output"
   : >"$error_file"
   log "step $name: start"
-  STEP_NAME=$name STEP_ERROR_FILE=$error_file bash "$LIFECYCLE_DIR/$script" "$@" || status=$?
+  STEP_NAME=$name STEP_ERROR_FILE=$error_file bash "$LIFECYCLE_DIR/$script" "$@" 2>&1 \
+    | tee "$output_file" || status=$?
   if ((status != 0)); then
-    local cause
+    local cause last_output
     cause=$(tr '\n' ' ' <"$error_file")
-    fail "$name" "${cause:-exited with status $status}"
+    if [[ -z $cause || $cause == "command failed"* ]]; then
+      # Not a failure the step anticipated: add what the command itself said last.
+      last_output=$(grep -Ev '^[0-9]{4}-[0-9-]+T[0-9:]+Z \[' "$output_file" | tail -n 1 || true)
+      cause="${cause:-exited with status $status}${last_output:+ -> $last_output}"
+    fi
+    fail "$name" "$cause"
   fi
   log "step $name: done in $((SECONDS - started))s"
 }

@@ -72,7 +72,8 @@ build_env() {
     "$base_python" -m venv "$target" || die "python3 -m venv $target failed"
   fi
   local status=0
-  "$target/bin/python" -m pip install --no-input --disable-pip-version-check \
+  # --no-cache-dir: the wheels (GBs for torch + CUDA) would only fill the root volume twice.
+  "$target/bin/python" -m pip install --no-input --disable-pip-version-check --no-cache-dir \
     "${index_args[@]}" -r "$requirements" || status=$?
   ((status == 0)) || die "pip install -r $requirements failed (exit $status); the pip output above in the provisioning log says which requirement"
   # The package on FSx (platform/current) is importable from the env without PYTHONPATH.

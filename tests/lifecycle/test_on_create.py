@@ -292,6 +292,25 @@ def test_bad_settings_fail_in_the_settings_step(make_cluster, edit, expected):
     assert step == "settings" and expected in cause and str(settings) in cause, cause
 
 
+@pytest.mark.parametrize("obstacle,step,expected", [
+    # Something the scripts do not anticipate still fails in one line naming the command.
+    ("envs-is-a-file", "dirs", r"command failed with status 1 at shared_dirs\.sh:\d+: mkdir -p \"\$dir\" +-> mkdir: .*/fsx/envs.*File exists"),
+    ("current-is-a-directory", "package", r".*/fsx/platform/current exists and is not a symlink; move it away.*"),
+])
+def test_unexpected_state_on_fsx_fails_in_one_line(make_cluster, obstacle, step, expected):
+    c = make_cluster()
+    c.fsx.mkdir()
+    if obstacle == "envs-is-a-file":
+        (c.fsx / "envs").write_text("not a directory\n")
+    else:
+        (c.fsx / "platform/current").mkdir(parents=True)
+    failed_step, cause = failure(c.run("controller-1"))
+    assert failed_step == step and re.fullmatch(expected, cause), cause
+    if step == "package":  # after the dirs step, the failure is also in the node's status file
+        (status,) = (c.fsx / "logs/provision/controller-1.status").read_text().splitlines()
+        assert f" step={step} cause=" in status
+
+
 @pytest.mark.slow
 def test_failed_env_build_is_never_marked_ready_and_the_next_boot_recovers(make_cluster, wheels, standins):
     c = make_cluster(gpu_requirements=f"{wheels['torch']}\n/nonexistent/wheels/diffusers-0.0.0-py3-none-any.whl\n")
