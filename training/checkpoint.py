@@ -530,7 +530,9 @@ def _model_config(model: nn.Module) -> dict[str, Any] | None:
     if config is None:
         return None
     try:
-        return _jsonable(dict(config))
+        # ``_use_default_values`` comes from a set: its order changes from process to process.
+        return _jsonable({k: v for k, v in dict(config).items()
+                          if not k.startswith("_") or k in ("_class_name", "_diffusers_version")})
     except TypeError:
         return None
 

@@ -76,6 +76,7 @@ class Watcher:
         while not self._stop.is_set():
             self.problems += dangling_manifests(*self.args)
             self.polls += 1
+            self._stop.wait(0.05)  # keep the shared CPUs for the code under test
 
     def __enter__(self) -> Watcher:
         self._thread.start()

@@ -1,0 +1,177 @@
+"""SIGKILL real ``python -m training.gpu`` runs (tiny preset, CPU) mid-training and mid-checkpoint
+write, resume them, and require the final state to be bit-identical to an uninterrupted run.
+Also: the same run mirroring to the loopback S3 through the fault proxy, its node "lost", and
+the resume pulled back from S3."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from faultproxy import FaultProxy
+from safetensors.torch import load_file
+from test_mirror import Watcher, dangling_manifests
+
+from training.checkpoint import FAULT_ENV, MANIFEST, find_latest, step_dir_name
+from training.data import write_synthetic_features
+from training.mirror import remote_checkpoints
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_STEPS = 20
+EVERY = 4
+
+pytestmark = pytest.mark.slow
+
+
+def command(features: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "training.gpu", "--config", str(REPO / "training/configs/tiny-cpu.yaml"),
+            "--set", f"data.path={features}", "--set", f"checkpoint.every_steps={EVERY}",
+            "--set", "checkpoint.keep_last=3", "--set", "ema.decay=0.9", "--set", "tensorboard=false",
+            "--set", "data.prefetch=1", "--set", "objective.caption_dropout=0.3",
+            "--max-steps", str(MAX_STEPS), "--output-dir", str(out), *extra]
+
+
+def env(**extra: str) -> dict[str, str]:
+    # One thread everywhere: the same reduction order in every run (bit-identity), and kind to
+    # the shared CPUs.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+
+
+def run(cmd: list[str], **extra_env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=env(**extra_env), capture_output=True, text=True, timeout=300)
+
+
+def final_state(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    path = out / "checkpoints" / step_dir_name(MAX_STEPS)
+    optim = torch.load(path / "optimizer.pt", weights_only=True)
+    return {"model": load_file(path / "model.safetensors"), "ema": load_file(path / "ema.safetensors"),
+            "optim": {f"{name}/{k}": torch.as_tensor(v) for name, st in optim["state"].items()
+                      for k, v in st.items()},
+            "train_state": (path / "train_state.json").read_text()}
+
+
+def assert_bit_identical(got: dict, want: dict) -> None:
+    for part in ("model", "ema", "optim"):
+        assert got[part].keys() == want[part].keys(), part
+        for key in want[part]:
+            assert torch.equal(got[part][key], want[part][key]), f"{part}: {key} differs"
+    assert got["train_state"] == want["train_state"]  # step, samples, data position, schedule, config...
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("features")
+    write_synthetic_features(out, num_samples=24, latent_shape=(4, 8, 8), text_dim=8, max_text_tokens=8,
+                             text_tokens=(1, 8))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(features, tmp_path_factory) -> dict:
+    """The uninterrupted run."""
+    out = tmp_path_factory.mktemp("reference")
+    done = run(command(features, out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return final_state(out)
+
+
+def latest_step(out: Path) -> int:
+    found = find_latest(out / "checkpoints")
+    return int(found.name.split("-")[1]) if found else 0
+
+
+def test_sigkill_mid_training_and_mid_checkpoint_write_then_resume_is_bit_identical(features, reference,
+                                                                                       tmp_path):
+    out = tmp_path / "run"
+    # The output_dir differs from the reference's, and train_state.json stores the config:
+    # compare everything but that path.
+    cmd = command(features, out)
+
+    # 1. SIGKILL while training, as soon as the first checkpoint is complete.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = out / "checkpoints" / step_dir_name(EVERY) / MANIFEST
+    deadline = time.monotonic() + 240
+    while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    stderr = proc.communicate()[1]
+    assert proc.returncode == -signal.SIGKILL, f"the run was not running any more:\n{stderr[-3000:]}"
+    resumed_from = latest_step(out)
+    assert EVERY <= resumed_from <= MAX_STEPS - 2 * EVERY
+
+    # 2. SIGKILL inside the next checkpoint write, after the weights file, before the manifest.
+    target = resumed_from + EVERY
+    done = run(cmd, **{FAULT_ENV: f"{target}:after-model"})
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / step_dir_name(resumed_from)}" in done.stderr
+    tmp = out / "checkpoints" / f".tmp-step-{target:08d}"
+    assert (tmp / "model.safetensors").exists() and not (tmp / MANIFEST).exists()
+    assert not (out / "checkpoints" / step_dir_name(target)).exists()
+    assert latest_step(out) == resumed_from
+
+    # 3. SIGKILL with the manifest written but the directory not yet renamed into place.
+    done = run(cmd, **{FAULT_ENV: f"{target}:before-rename"})
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    assert (tmp / MANIFEST).exists() and latest_step(out) == resumed_from
+
+    # 4. Resume to the end.
+    done = run(cmd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / step_dir_name(resumed_from)}" in done.stderr
+    got = final_state(out)
+    got["train_state"] = got["train_state"].replace(str(out), "<out>")
+    assert_bit_identical(got, {**reference, "train_state": _relative(reference["train_state"])})
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+
+
+def _relative(train_state: str) -> str:
+    import json
+
+    output_dir = json.loads(train_state)["config"]["output_dir"]
+    return train_state.replace(output_dir, "<out>")
+
+
+def test_mirror_through_faults_then_resume_from_s3_after_losing_the_node(features, reference, tmp_path,
+                                                                         s3_endpoint, s3_bucket):
+    out = tmp_path / "run"
+    url = f"s3://{s3_bucket}/runs/tiny"
+    cmd = command(features, out, "--set", f"checkpoint.s3_mirror={url}")
+    with FaultProxy(s3_endpoint, error_rate=0.15, drop_rate=0.1, max_faults=30, seed=3) as proxy, \
+            Watcher(s3_bucket, "runs/tiny", s3_endpoint) as watcher:
+        # SIGKILL the run as soon as a first checkpoint is complete on S3 (the upload runs in the
+        # background while training goes on).
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env(AWS_ENDPOINT_URL_S3=proxy.url), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 240
+        while not remote_checkpoints(url) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        stderr = proc.communicate()[1]
+        assert proc.returncode == -signal.SIGKILL, f"the run was not running any more:\n{stderr[-3000:]}"
+    assert watcher.polls > 0 and watcher.problems == []
+    assert dangling_manifests(s3_bucket, "runs/tiny", s3_endpoint) == []
+    mirrored = remote_checkpoints(url)
+    print("faults:", dict(proxy.stats), "on S3:", mirrored)
+    assert mirrored and mirrored[-1] < MAX_STEPS
+
+    shutil.rmtree(out)  # the replacement node starts with an empty local checkpoint dir
+    with FaultProxy(s3_endpoint, error_rate=0.15, drop_rate=0.1, max_faults=30, seed=4) as proxy, \
+            Watcher(s3_bucket, "runs/tiny", s3_endpoint) as watcher:
+        done = run(cmd, AWS_ENDPOINT_URL_S3=proxy.url)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / step_dir_name(mirrored[-1])}" in done.stderr
+    assert watcher.problems == [] and dangling_manifests(s3_bucket, "runs/tiny", s3_endpoint) == []
+    assert remote_checkpoints(url)[-1] == MAX_STEPS  # close() waited for the last upload
+    got = final_state(out)
+    got["train_state"] = _relative(got["train_state"])
+    want = {**reference, "train_state": _relative(reference["train_state"])}
+    # The mirror URL is part of this run's config only.
+    got["train_state"] = got["train_state"].replace(f'"{url}"', "null")
+    assert_bit_identical(got, want)
