@@ -237,3 +237,43 @@ def test_a_config_error_fails_the_job_with_the_one_line_error_in_job_log(
     assert re.search(rf"error: .*{re.escape(str(missing))}", job_log), job_log[-3000:]
     assert "step finished with exit code" in job_log
     assert not complete_checkpoints(site.run_dir(job_name))
+
+
+def test_precompute_sbatch_writes_features(slurm_cluster: SlurmCluster, site: Site,
+                                                          tmp_path: Path) -> None:
+    from training.tiny_components import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
+
+    models = build_tiny_components(tmp_path / "models")
+    raw = tmp_path / "raw"
+    write_image_caption_folder(raw, num=6, seed=1)
+    out = site.fsx / "data" / "precomputed"
+    job_name = "tiny-precompute"
+    job_id = slurm_cluster.sbatch(
+        SLURM_DIR / "precompute.sbatch", "--input", str(raw), "--out", str(out), "--vae", str(models["vae"]),
+        "--text-encoder", str(models["text_encoder"]), "--tokenizer", str(models["tokenizer"]),
+        "--resolution", str(TINY_RESOLUTION), "--max-text-tokens", "16", "--samples-per-shard", "3",
+        options=(f"--job-name={job_name}",), env=site.env(SANA_NPROC_PER_NODE="1"), cwd=site.submit_dir)
+    info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", job_failure(slurm_cluster, site, info, job_name, job_id)
+
+    # One rank keeps this cheap; the rank split itself is tests/training/test_precompute.py's.
+    index = json.loads((out / "index.json").read_text())
+    assert index["num_samples"] == 6 and len(index["shards"]) == 2
+    assert "rank 0/1" in (site.log_dir(job_name, job_id) / "job.log").read_text()
+    assert not site.run_dir(job_name).exists()  # no checkpoint directory for a precompute job
+
+
+def test_bench_sbatch_writes_its_result_into_the_job_log_dir(slurm_cluster: SlurmCluster, site: Site,
+                                                             tmp_path: Path) -> None:
+    job_name = "tiny-bench"
+    job_id = slurm_cluster.sbatch(SLURM_DIR / "bench.sbatch", str(TINY), "--synthetic", "--steps", "3",
+                                  "--warmup", "1", "--work-dir", str(tmp_path / "scratch"),
+                                  options=(f"--job-name={job_name}",), env=site.env(SANA_NPROC_PER_NODE="1"),
+                                  cwd=site.submit_dir)
+    info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", job_failure(slurm_cluster, site, info, job_name, job_id)
+
+    result = json.loads((site.log_dir(job_name, job_id) / "bench.json").read_text())
+    assert result["backend"] == "gpu"  # partition gpu -> the GPU backend and env
+    assert result["world_size"] == 1
+    assert result["instance_type"] == "local"

@@ -8,8 +8,8 @@
 #                                            with srun (srun --auto-resume=1 on HyperPod)
 #   launch.sh node KIND [CONFIG] [ARGS...]   in every srun task: torchrun for this node
 #
-# KIND is gpu | trainium | precompute | bench. CONFIG is a YAML file (optional for the
-# training kinds, which default to the 600M preset); ARGS go to the entrypoint unchanged.
+# KIND is gpu | trainium | precompute | bench. CONFIG is a YAML file (gpu, trainium, bench;
+# default: the 600M preset; precompute takes none); ARGS go to the entrypoint unchanged.
 # Operator guide: runbooks/train-slurm.md.
 set -euo pipefail
 
@@ -140,13 +140,6 @@ instance_type() {
   if [[ $product =~ ^[a-z][a-z0-9-]*\.[0-9]*[a-z]+$ ]]; then echo "ml.$product"; else echo local; fi
 }
 
-default_config() {
-  case $1 in
-    gpu | trainium | bench) echo "$PACKAGE_ROOT/training/configs/sana-600m-512.yaml" ;;
-    precompute) echo "" ;;
-  esac
-}
-
 entry_module() {
   case $1 in
     gpu) echo training.gpu ;;
@@ -211,12 +204,15 @@ run_node() {
   head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
   nproc=$(nproc_per_node "$kind" "$python")
 
+  # Training and bench take a YAML config (optional first argument); precompute has none.
   local config=""
-  if [[ $# -gt 0 && $1 != -* ]]; then
-    config=$1
-    shift
-  else
-    config=$(default_config "$kind")
+  if [[ $kind != precompute ]]; then
+    if [[ $# -gt 0 && $1 != -* ]]; then
+      config=$1
+      shift
+    else
+      config=$PACKAGE_ROOT/training/configs/sana-600m-512.yaml
+    fi
   fi
   local -a entry=(-m "$(entry_module "$kind")")
   [[ -n $config ]] && entry+=(--config "$config")
