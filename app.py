@@ -13,7 +13,7 @@ import sys
 # Node 20 on the build machines is past its end of life; jsii's banner would bury the output.
 os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
 
-from stacks import ConfigError, build_app  # noqa: E402  (after the environment above)
+from stacks.platform import ConfigError, build_app  # noqa: E402  (after the environment above)
 
 
 def main() -> int:

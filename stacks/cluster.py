@@ -23,7 +23,7 @@ from aws_cdk import aws_s3_deployment as s3deploy
 from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
-from stacks.common import acknowledge
+from stacks.common import acknowledge, ignore_cfn_lint
 from stacks.config import FSX_MOUNT, PlatformConfig
 from stacks.network import Network
 from stacks.storage import StorageStack, bucket_names
@@ -276,7 +276,7 @@ class ClusterStack(cdk.Stack):
         super().__init__(scope, id, **kwargs)
         self.cluster = Cluster(self, "Cluster", props=ClusterProps(config=config, network=network, storage=storage))
         self._acknowledge_deployment_handler(config)
-        buckets, fs, upload = self.cluster.buckets, storage.file_system, self.cluster.upload
+        buckets, upload = self.cluster.buckets, self.cluster.upload
         outputs = {
             "ClusterName": (config.clusterName, "HyperPod cluster name (aws sagemaker describe-cluster --cluster-name ...)"),
             "ClusterArn": (self.cluster.cluster.attr_cluster_arn, "HyperPod cluster ARN"),
@@ -284,8 +284,6 @@ class ClusterStack(cdk.Stack):
             "ArtefactsBucket": (buckets.artefacts.bucket_name, "Checkpoints, exports, reports, compile caches"),
             "LifecycleBucket": (buckets.lifecycle.bucket_name, "Lifecycle scripts and the training package"),
             "LifecycleUri": (upload.source_s3_uri, "LifeCycleConfig.SourceS3Uri of every instance group"),
-            "FsxDnsName": (fs.dns_name, "FSx for Lustre DNS name"),
-            "FsxMountName": (fs.mount_name, f"FSx for Lustre mount name (mounted at {FSX_MOUNT})"),
             "FeaturesUri": (f"s3://{buckets.data.bucket_name}/features/",
                             "data.path for training configs (also visible on /fsx/data/features)"),
             "CheckpointMirrorUri": (f"s3://{buckets.artefacts.bucket_name}/checkpoints/",
@@ -308,6 +306,7 @@ class ClusterStack(cdk.Stack):
         policy = role.node.find_child("DefaultPolicy").node.default_child
         deploy_only = ("CDK's BucketDeployment handler runs only during `cdk deploy` to copy the lifecycle "
                        "scripts and training package into S3; it handles no PHI or training data. ")
+        ignore_cfn_lint(fn, "W3005")
         acknowledge(fn, "AwsSolutions::AwsSolutions-L1", deploy_only +
                     "Its runtime is chosen and updated by the pinned aws-cdk-lib release.")
         acknowledge(fn, "HIPAA.Security::HIPAA.Security-LambdaConcurrency", deploy_only +

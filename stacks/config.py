@@ -298,11 +298,11 @@ def _coerce(key: str, raw: Any, typ: Any) -> Any:
 def check_known_keys(context: Mapping[str, Any]) -> None:
     """Reject a mistyped platform key (``-c gpuInstanceCont=2`` must not be silently ignored).
 
-    CDK's own keys (feature flags ``@aws-cdk/...``, ``aws:cdk:...`` and other namespaced keys
-    containing ':' or '/') are left alone.
+    Only plain camelCase keys are ours; CDK's and tools' keys (``@aws-cdk/...`` feature flags,
+    ``aws:cdk:...``, ``cli-telemetry``) contain punctuation and are left alone.
     """
     known = set(PlatformConfig.keys())
     for key, value in context.items():
-        if key in known or key.startswith("@") or ":" in key or "/" in key:
+        if key in known or not re.fullmatch(r"[a-z][a-zA-Z0-9]*", key):
             continue
         raise ConfigError(key, value, "unknown context key; known keys: " + ", ".join(sorted(known)))

@@ -66,7 +66,7 @@ def build_app(context: Mapping[str, Any] | None = None, *, outdir: str | None = 
                            network=network.network, storage=storage,
                            description=f"{p}: HyperPod Slurm cluster, execution role, lifecycle scripts")
     # The cluster names storage's buckets by their deterministic names; keep the order explicit.
-    cluster.add_dependency(storage)
+    cluster.add_stack_dependency(storage)
     cdk.Tags.of(app).add("project", p)
     cdk.Tags.of(app).add("managed-by", "cdk")
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app), HIPAASecurityChecks(app))

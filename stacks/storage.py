@@ -98,6 +98,9 @@ class Buckets(Construct):
                 id="abort-incomplete-multipart-uploads",
                 abort_incomplete_multipart_upload_after=cdk.Duration.days(7))],
         )
+        acknowledge(bucket, "Annotation::@aws-cdk/aws-s3:accessLogsPolicyNotAdded",
+                    "The access-log bucket's own policy (network stack, AccessLogBucket) admits "
+                    "logging.s3.amazonaws.com for this account under s3-access-logs/.")
         acknowledge(bucket.node.default_child, "HIPAA.Security::HIPAA.Security-S3BucketReplicationEnabled",
                     "Versioning + retention protect objects in-region; cross-region replication is an "
                     "organisation-level DR decision (S3 Replication can be added without code changes). "
@@ -193,3 +196,9 @@ class StorageStack(cdk.Stack):
             security_group_rules=(network.self_ingress, network.self_egress),
             key=self.buckets.key, data=self.buckets.data, artefacts=self.buckets.artefacts,
             removal_policy=removal))
+        # Outputs live where the values are made (an output re-exporting an import is W6001).
+        cdk.CfnOutput(self, "FsxDnsName", value=self.file_system.dns_name, description="FSx for Lustre DNS name")
+        cdk.CfnOutput(self, "FsxMountName", value=self.file_system.mount_name,
+                      description="FSx for Lustre mount name (HyperPod mounts it at /fsx on every node)")
+        cdk.CfnOutput(self, "FsxFileSystemId", value=self.file_system.file_system.ref,
+                      description="FSx for Lustre file system ID")

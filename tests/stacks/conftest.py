@@ -1,0 +1,120 @@
+"""Synthesized platform variants, each built ONCE per test session and shared by all tests.
+
+jsii synth is the slow part (tens of seconds per app on the shared 2-core machine), so the
+variants are chosen to cover every shape the issue names with three apps:
+
+- ``default``: cdk.json as shipped -> GPU (p5) + Trainium (trn1) + login group.
+- ``gpu_only``: p4d, no Trainium group, no login group; synthesized through the REAL CDK CLI
+  with ``-c`` overrides, which proves the CLI path and that ``-c`` changes the cluster.
+- ``trn_only``: trn2.48xlarge, no GPU group, login on, pinned to us-east-2 (the region
+  where cfn-lint's pricing data lists trn2.48xlarge).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
+
+REPO = Path(__file__).resolve().parents[2]
+STACKS = ("Network", "Storage", "Cluster")
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "gpu_only": {"gpuInstanceType": "ml.p4d.24xlarge", "trnInstanceCount": "0", "loginInstanceCount": "0",
+                 "gpuInstanceCount": "4", "deepHealthChecks": "false"},
+    "trn_only": {"gpuInstanceCount": 0, "trnInstanceType": "ml.trn2.48xlarge", "trnInstanceCount": 2,
+                 "region": "us-east-2", "availabilityZoneId": "use2-az3"},
+}
+CLI_VARIANTS = {"gpu_only"}
+
+
+@dataclass
+class Synth:
+    name: str
+    outdir: Path
+    context: dict[str, Any]
+    templates: dict[str, dict] = field(default_factory=dict)
+    platform: Any = None  # stacks.platform.Platform for in-process variants
+    package_hash: str = ""  # of lifecycle_scripts/ + training/ at synth; "" if they changed during synth
+
+    def template(self, stack: str):
+        from aws_cdk.assertions import Template
+
+        return Template.from_json(self.templates[stack])
+
+    def resources(self, stack: str, type_: str) -> dict[str, dict]:
+        return {k: v for k, v in self.templates[stack]["Resources"].items() if v["Type"] == type_}
+
+    def cluster(self) -> dict:
+        (res,) = self.resources("Cluster", "AWS::SageMaker::Cluster").values()
+        return res["Properties"]
+
+    def groups(self) -> dict[str, dict]:
+        return {g["InstanceGroupName"]: g for g in self.cluster()["InstanceGroups"]}
+
+
+def cdk_cli(*args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CDK_DISABLE_CLI_TELEMETRY": "true"}
+    return subprocess.run(["npx", "--no-install", "cdk", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _synth(name: str, outdir: Path) -> Synth:
+    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_hash
+
+    context = VARIANTS[name]
+    expected_hash = package_hash(LIFECYCLE_DIR, TRAINING_DIR)
+    if name in CLI_VARIANTS:
+        overrides = [arg for key, value in context.items() for arg in ("-c", f"{key}={value}")]
+        proc = cdk_cli("synth", "--quiet", "--no-notices", "--output", str(outdir), *overrides)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    else:
+        from stacks.platform import build_app
+
+        platform = build_app(context, outdir=str(outdir))
+        platform.app.synth()
+    if package_hash(LIFECYCLE_DIR, TRAINING_DIR) != expected_hash:
+        expected_hash = ""  # edited while synthesizing (several engineers share this checkout)
+    synth = Synth(name=name, outdir=outdir, context=context,
+                  platform=None if name in CLI_VARIANTS else platform, package_hash=expected_hash)
+    for stack in STACKS:
+        synth.templates[stack] = json.loads((outdir / f"{stack}.template.json").read_text())
+    return synth
+
+
+_CACHE: dict[str, Synth] = {}
+
+
+@pytest.fixture(scope="session")
+def synthesized(tmp_path_factory):
+    """``synthesized(name)`` -> the Synth of that variant (built on first use, then cached)."""
+
+    def get(name: str) -> Synth:
+        if name not in _CACHE:
+            _CACHE[name] = _synth(name, tmp_path_factory.mktemp(f"cdk-{name}"))
+        return _CACHE[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default(synthesized) -> Synth:
+    return synthesized("default")
+
+
+@pytest.fixture(scope="session")
+def gpu_only(synthesized) -> Synth:
+    return synthesized("gpu_only")
+
+
+@pytest.fixture(scope="session")
+def trn_only(synthesized) -> Synth:
+    return synthesized("trn_only")

@@ -1,0 +1,98 @@
+"""PlatformConfig: defaults, parsing of `-c` strings, and every bad value's one-line message (no synth)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from stacks.config import ConfigError, PlatformConfig, az_id_prefix, check_known_keys
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_cdk_json_context_equals_the_dataclass_defaults():
+    import json
+
+    context = json.loads((REPO / "cdk.json").read_text())["context"]
+    ours = {k: v for k, v in context.items() if re.fullmatch(r"[a-z][a-zA-Z0-9]*", k)}
+    defaults = {f.name: f.default for f in dataclasses.fields(PlatformConfig)}
+    assert ours == defaults
+
+
+def test_strings_from_cli_are_parsed():
+    cfg = PlatformConfig.from_context({
+        "gpuInstanceCount": "3", "trnInstanceCount": " 0 ", "deepHealthChecks": "False",
+        "fsxStorageGiB": "4800", "fsxThroughputPerTiB": "500", "loginInstanceCount": "0",
+    })
+    assert (cfg.gpuInstanceCount, cfg.trnInstanceCount, cfg.deepHealthChecks) == (3, 0, False)
+    assert (cfg.fsxStorageGiB, cfg.fsxThroughputPerTiB) == (4800, 500)
+    assert cfg.groups == {"controller": "controller", "gpu": "gpu"}
+    assert PlatformConfig.from_context({"deepHealthChecks": "yes"}).deepHealthChecks is True
+
+
+def test_derived_subnets_split_the_vpc():
+    cfg = PlatformConfig(vpcCidr="10.20.0.0/20")
+    assert (cfg.private_subnet_cidr, cfg.public_subnet_cidr) == ("10.20.0.0/21", "10.20.8.0/28")
+
+
+@pytest.mark.parametrize(("region", "prefix"), [
+    ("us-east-1", "use1"), ("us-west-2", "usw2"), ("ap-northeast-1", "apne1"), ("eu-central-1", "euc1"),
+    ("ap-southeast-2", "apse2"), ("sa-east-1", "sae1"),
+])
+def test_az_id_prefix(region, prefix):
+    assert az_id_prefix(region) == prefix
+
+
+BAD = [
+    ({"fsxStorageGiB": "1000"}, "invalid context value fsxStorageGiB=1000: allowed: 1200 or a multiple of 2400"),
+    ({"fsxStorageGiB": 3600}, "invalid context value fsxStorageGiB=3600: allowed: 1200 or a multiple of 2400"),
+    ({"fsxThroughputPerTiB": "300"}, "invalid context value fsxThroughputPerTiB=300: allowed: 125, 250, 500, 1000"),
+    ({"gpuInstanceType": "ml.trn1.32xlarge"},
+     "invalid context value gpuInstanceType='ml.trn1.32xlarge': a Trainium type is not allowed in the GPU group"),
+    ({"trnInstanceType": "ml.p5.48xlarge"},
+     "invalid context value trnInstanceType='ml.p5.48xlarge': a GPU type is not allowed in the Trainium group"),
+    ({"gpuInstanceType": "ml.p9.48xlarge"}, "invalid context value gpuInstanceType='ml.p9.48xlarge': allowed: ml.p5.48xlarge"),
+    ({"controllerInstanceType": "ml.p5.48xlarge"},
+     "invalid context value controllerInstanceType='ml.p5.48xlarge': allowed: ml.m5.large"),
+    ({"gpuInstanceCount": "0", "trnInstanceCount": "0"},
+     "invalid context value gpuInstanceCount=0: at least one worker group is needed"),
+    ({"gpuInstanceCount": "-1"}, "invalid context value gpuInstanceCount=-1: allowed: an integer from 0 to 1000"),
+    ({"gpuInstanceCount": "two"}, "invalid context value gpuInstanceCount='two': allowed: an integer"),
+    ({"controllerInstanceCount": "0"}, "invalid context value controllerInstanceCount=0: allowed: 1"),
+    ({"loginInstanceCount": "9"}, "invalid context value loginInstanceCount=9: allowed: an integer from 0 to 4"),
+    ({"clusterName": "sana_cluster"}, "invalid context value clusterName='sana_cluster': allowed: 1-63 letters"),
+    ({"clusterName": "-sana"}, "invalid context value clusterName='-sana': allowed: 1-63 letters"),
+    ({"clusterName": "a" * 64}, f"invalid context value clusterName='{'a' * 64}': allowed: 1-63 letters"),
+    ({"projectName": "Sana"}, "invalid context value projectName='Sana': allowed: 2-20 characters"),
+    ({"account": "1234"}, "invalid context value account='1234': allowed: empty or a 12-digit AWS account ID"),
+    ({"region": "mars-1"}, "invalid context value region='mars-1': allowed: empty or an AWS region name"),
+    ({"availabilityZoneId": "us-east-1a"},
+     "invalid context value availabilityZoneId='us-east-1a': allowed: an availability zone ID such as use1-az4"),
+    ({"region": "us-west-2"}, "invalid context value availabilityZoneId='use1-az4': allowed: an AZ ID of region "
+                              "us-west-2, i.e. usw2-az<N>"),
+    ({"vpcCidr": "10.0.0.0/8"}, "invalid context value vpcCidr='10.0.0.0/8': allowed: a private IPv4 network"),
+    ({"vpcCidr": "8.8.0.0/16"}, "invalid context value vpcCidr='8.8.0.0/16': allowed: a private IPv4 network"),
+    ({"gpuEbsGiB": "0"}, "invalid context value gpuEbsGiB=0: allowed: an integer from 1 to 16384"),
+    ({"deepHealthChecks": "maybe"}, "invalid context value deepHealthChecks='maybe': allowed: true or false"),
+    ({"nodeRecovery": "auto"}, "invalid context value nodeRecovery='auto': allowed: Automatic, None"),
+    ({"dataRemovalPolicy": "delete"}, "invalid context value dataRemovalPolicy='delete': allowed: retain, destroy"),
+]
+
+
+@pytest.mark.parametrize(("context", "expected"), BAD, ids=[next(iter(c)) + "-" + str(i) for i, (c, _) in enumerate(BAD)])
+def test_bad_value_fails_with_one_line_naming_key_value_and_allowed(context, expected):
+    with pytest.raises(ConfigError) as err:
+        PlatformConfig.from_context(context)
+    message = str(err.value)
+    assert message.startswith(expected)
+    assert "\n" not in message
+
+
+def test_unknown_platform_key_is_rejected_but_cdk_keys_pass():
+    check_known_keys({"@aws-cdk/core:foo": True, "aws:cdk:enable-path-metadata": True, "cli-telemetry": False})
+    with pytest.raises(ConfigError, match=r"^invalid context value gpuInstanceCont='2': unknown context key; "
+                                          r"known keys: .*gpuInstanceCount"):
+        check_known_keys({"gpuInstanceCont": "2"})

@@ -1,0 +1,264 @@
+"""Template assertions on the default platform (cdk.json as shipped: GPU + Trainium + login)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from aws_cdk.assertions import Match
+
+pytestmark = pytest.mark.slow  # the shared session synth takes ~30-60 s on the 2-core machine
+
+
+def sg_ref(synth, stack="Network"):
+    (sg_id,) = synth.resources(stack, "AWS::EC2::SecurityGroup")
+    return {"Fn::GetAtt": [sg_id, "GroupId"]}
+
+
+# ---- network ------------------------------------------------------------------------
+def test_security_group_allows_all_traffic_from_and_to_itself(default):
+    t, sg = default.template("Network"), sg_ref(default)
+    t.resource_count_is("AWS::EC2::SecurityGroupIngress", 1)
+    t.has_resource_properties("AWS::EC2::SecurityGroupIngress",
+                              {"IpProtocol": "-1", "GroupId": sg, "SourceSecurityGroupId": sg})
+    t.has_resource_properties("AWS::EC2::SecurityGroupEgress",
+                              {"IpProtocol": "-1", "GroupId": sg, "DestinationSecurityGroupId": sg})
+    # No ingress from any CIDR at all (inline rules included).
+    (group,) = default.resources("Network", "AWS::EC2::SecurityGroup").values()
+    assert "SecurityGroupIngress" not in group["Properties"]
+
+
+def test_cluster_subnet_is_private_in_the_configured_az_id(default):
+    subnets = [r["Properties"] for r in default.resources("Network", "AWS::EC2::Subnet").values()]
+    assert len(subnets) == 2
+    assert all(s["AvailabilityZoneId"] == "use1-az4" for s in subnets)
+    assert all(s["MapPublicIpOnLaunch"] is False for s in subnets)
+    assert sorted(s["CidrBlock"] for s in subnets) == ["10.0.0.0/17", "10.0.128.0/28"]
+    # The cluster subnet's default route goes to the NAT gateway, never to the internet gateway.
+    t = default.template("Network")
+    t.has_resource_properties("AWS::EC2::Route", {"DestinationCidrBlock": "0.0.0.0/0",
+                                                  "NatGatewayId": {"Ref": Match.string_like_regexp("NatGateway")}})
+
+
+def test_s3_gateway_endpoint_serves_both_route_tables(default):
+    default.template("Network").has_resource_properties("AWS::EC2::VPCEndpoint", {
+        "VpcEndpointType": "Gateway",
+        "ServiceName": {"Fn::Join": ["", ["com.amazonaws.", {"Ref": "AWS::Region"}, ".s3"]]},
+        "RouteTableIds": Match.array_with([{"Ref": Match.string_like_regexp("ClusterRouteTable")}]),
+    })
+
+
+def test_vpc_flow_logs_capture_all_traffic_to_the_log_bucket(default):
+    default.template("Network").has_resource_properties("AWS::EC2::FlowLog", {
+        "ResourceType": "VPC", "TrafficType": "ALL", "LogDestinationType": "s3",
+        "LogDestination": Match.object_like({"Fn::Join": Match.any_value()}),
+    })
+
+
+# ---- storage ------------------------------------------------------------------------
+def _buckets(synth):
+    return {k: v["Properties"] for k, v in synth.resources("Storage", "AWS::S3::Bucket").items()}
+
+
+def test_platform_buckets_are_kms_encrypted_versioned_private_and_logged(default):
+    buckets = _buckets(default)
+    assert len(buckets) == 3
+    (key_id,) = default.resources("Storage", "AWS::KMS::Key")
+    for props in buckets.values():
+        sse = props["BucketEncryption"]["ServerSideEncryptionConfiguration"][0]["ServerSideEncryptionByDefault"]
+        assert sse == {"SSEAlgorithm": "aws:kms", "KMSMasterKeyID": {"Fn::GetAtt": [key_id, "Arn"]}}
+        assert props["VersioningConfiguration"] == {"Status": "Enabled"}
+        assert props["PublicAccessBlockConfiguration"] == {
+            "BlockPublicAcls": True, "BlockPublicPolicy": True, "IgnorePublicAcls": True, "RestrictPublicBuckets": True}
+        assert props["LoggingConfiguration"]["LogFilePrefix"].startswith("s3-access-logs/")
+    names = sorted(json.dumps(p["BucketName"]) for p in buckets.values())
+    assert any('"sagemaker-sana-lc-"' in n for n in names), names
+
+
+def test_access_log_bucket_is_sse_s3_versioned_private(default):
+    (props,) = [r["Properties"] for r in default.resources("Network", "AWS::S3::Bucket").values()]
+    sse = props["BucketEncryption"]["ServerSideEncryptionConfiguration"][0]["ServerSideEncryptionByDefault"]
+    assert sse == {"SSEAlgorithm": "AES256"}
+    assert props["VersioningConfiguration"] == {"Status": "Enabled"}
+    assert props["PublicAccessBlockConfiguration"]["BlockPublicPolicy"] is True
+
+
+@pytest.mark.parametrize("stack,count", [("Storage", 3), ("Network", 1)])
+def test_every_bucket_policy_denies_plain_http(default, stack, count):
+    t = default.template(stack)
+    t.resource_count_is("AWS::S3::BucketPolicy", count)
+    policies = default.resources(stack, "AWS::S3::BucketPolicy").values()
+    for policy in policies:
+        statements = policy["Properties"]["PolicyDocument"]["Statement"]
+        assert any(s["Effect"] == "Deny" and s["Condition"] == {"Bool": {"aws:SecureTransport": "false"}}
+                   for s in statements)
+
+
+def test_kms_key_rotates(default):
+    default.template("Storage").has_resource_properties("AWS::KMS::Key", {"EnableKeyRotation": True})
+
+
+def test_fsx_is_persistent2_encrypted_with_configured_size_and_throughput(default):
+    (key_id,) = default.resources("Storage", "AWS::KMS::Key")
+    default.template("Storage").has_resource_properties("AWS::FSx::FileSystem", {
+        "FileSystemType": "LUSTRE", "StorageCapacity": 1200,
+        "KmsKeyId": {"Fn::GetAtt": [key_id, "Arn"]},
+        "LustreConfiguration": Match.object_like({"DeploymentType": "PERSISTENT_2", "PerUnitStorageThroughput": 250}),
+        "SecurityGroupIds": [Match.object_like({"Fn::ImportValue": Match.string_like_regexp("ClusterSecurityGroup")})],
+        "SubnetIds": [Match.object_like({"Fn::ImportValue": Match.string_like_regexp("ClusterSubnet")})],
+    })
+
+
+def test_fsx_waits_for_the_security_group_rules(default):
+    # The rules live in the network stack, so the dependency is the stack order.
+    assert default.platform.network in default.platform.storage.dependencies
+
+
+def test_data_repository_associations(default):
+    dras = {r["Properties"]["FileSystemPath"]: r["Properties"]
+            for r in default.resources("Storage", "AWS::FSx::DataRepositoryAssociation").values()}
+    assert set(dras) == {"/data", "/artefacts"}
+    events = ["NEW", "CHANGED", "DELETED"]
+    assert dras["/data"]["S3"] == {"AutoImportPolicy": {"Events": events}}
+    assert dras["/artefacts"]["S3"] == {"AutoImportPolicy": {"Events": events}, "AutoExportPolicy": {"Events": events}}
+    by_name = {json.dumps(p["BucketName"]): logical for logical, p in _buckets(default).items()}
+    data = next(logical for name, logical in by_name.items() if '"sana-data-"' in name)
+    artefacts = next(logical for name, logical in by_name.items() if '"sana-artefacts-"' in name)
+    assert dras["/data"]["DataRepositoryPath"] == {"Fn::Join": ["", ["s3://", {"Ref": data}, "/"]]}
+    assert dras["/artefacts"]["DataRepositoryPath"] == {"Fn::Join": ["", ["s3://", {"Ref": artefacts}, "/"]]}
+
+
+# ---- cluster ------------------------------------------------------------------------
+def test_execution_role_is_sagemaker_with_managed_policy_and_platform_policy(default):
+    default.template("Cluster").has_resource_properties("AWS::IAM::Role", {
+        "AssumeRolePolicyDocument": {"Statement": [Match.object_like(
+            {"Principal": {"Service": "sagemaker.amazonaws.com"}})], "Version": Match.any_value()},
+        "ManagedPolicyArns": Match.array_with([{"Fn::Join": ["", [
+            "arn:", {"Ref": "AWS::Partition"}, ":iam::aws:policy/AmazonSageMakerClusterInstanceRolePolicy"]]}]),
+    })
+
+
+def test_execution_policy_resources_are_this_platforms_arns(default):
+    (policy,) = default.resources("Cluster", "AWS::IAM::ManagedPolicy").values()
+    statements = policy["Properties"]["PolicyDocument"]["Statement"]
+    for st in statements:
+        resources = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
+        rendered = [json.dumps(r) for r in resources]
+        if st["Sid"] == "DescribeNetwork":  # ec2:Describe* has no resource-level permissions
+            assert all(a.startswith("ec2:Describe") for a in st["Action"]) and resources == ["*"]
+            continue
+        assert "*" not in resources, st
+        for text in rendered:
+            if '":s3:::' in text:
+                assert any(f'":s3:::{n}' in text for n in ("sana-data-", "sana-artefacts-", "sagemaker-sana-lc-")), text
+            elif st["Sid"] == "UsePlatformKey":
+                assert "Fn::ImportValue" in text and "Key" in text, text
+            else:
+                assert ":ec2:" in text and '"Ref": "AWS::AccountId"' in text and '"Ref": "AWS::Region"' in text, text
+
+
+def test_cluster_groups_types_counts_and_slurm(default):
+    groups = default.groups()
+    assert list(groups) == ["controller", "login", "gpu", "trn"]
+    expect = {"controller": ("ml.m5.2xlarge", 1, {"NodeType": "Controller"}),
+              "login": ("ml.m5.4xlarge", 1, {"NodeType": "Login"}),
+              "gpu": ("ml.p5.48xlarge", 1, {"NodeType": "Compute", "PartitionNames": ["gpu"]}),
+              "trn": ("ml.trn1.32xlarge", 1, {"NodeType": "Compute", "PartitionNames": ["trn"]})}
+    for name, (itype, count, slurm) in expect.items():
+        g = groups[name]
+        assert (g["InstanceType"], g["InstanceCount"], g["SlurmConfig"]) == (itype, count, slurm)
+    cluster = default.cluster()
+    assert cluster["Orchestrator"] == {"Slurm": {"SlurmConfigStrategy": "Managed"}}
+    assert cluster["NodeRecovery"] == "Automatic"
+    assert cluster["ClusterName"] == "sana-hyperpod"
+    assert len(cluster["VpcConfig"]["Subnets"]) == 1
+
+
+def test_every_group_mounts_fsx_and_has_an_ebs_volume(default):
+    for g in default.groups().values():
+        ebs, lustre = g["InstanceStorageConfigs"]
+        assert ebs == {"EbsVolumeConfig": {"VolumeSizeInGB": 500}}
+        assert lustre["FsxLustreConfig"]["MountPath"] == "/fsx"
+        assert "DNSName" in json.dumps(lustre["FsxLustreConfig"]["DnsName"])
+        assert "LustreMountName" in json.dumps(lustre["FsxLustreConfig"]["MountName"])
+
+
+def test_accelerator_groups_have_deep_health_checks_and_one_thread_per_core(default):
+    groups = default.groups()
+    for name in ("gpu", "trn"):
+        assert groups[name]["OnStartDeepHealthChecks"] == ["InstanceStress", "InstanceConnectivity"]
+        assert groups[name]["ThreadsPerCore"] == 1
+    for name in ("controller", "login"):
+        assert "OnStartDeepHealthChecks" not in groups[name] and "ThreadsPerCore" not in groups[name]
+
+
+def deployed_hash(synth) -> str:
+    """The content hash the template uses (checked against the tree when it was stable during synth)."""
+    prefixes = {d["Properties"]["DestinationBucketKeyPrefix"].split("/")[1]
+                for d in synth.resources("Cluster", "Custom::CDKBucketDeployment").values()}
+    (h,) = prefixes
+    assert re.fullmatch(r"[0-9a-f]{16}", h)
+    if synth.package_hash:
+        assert h == synth.package_hash
+    return h
+
+
+def test_lifecycle_uri_has_the_content_hash_prefix(default):
+    expected_hash = deployed_hash(default)
+    for g in default.groups().values():
+        lc = g["LifeCycleConfig"]
+        assert lc["OnCreate"] == "on_create.sh"
+        parts = lc["SourceS3Uri"]["Fn::Join"][1]
+        assert parts[0] == "s3://sagemaker-sana-lc-" and parts[-1] == f"/lifecycle/{expected_hash}/"
+
+
+def test_cluster_waits_for_both_uploads(default):
+    (cluster,) = default.resources("Cluster", "AWS::SageMaker::Cluster").values()
+    deployments = default.resources("Cluster", "Custom::CDKBucketDeployment")
+    assert set(deployments) <= set(cluster["DependsOn"])
+    prefixes = sorted(d["Properties"]["DestinationBucketKeyPrefix"] for d in deployments.values())
+    h = deployed_hash(default)
+    assert prefixes == [f"lifecycle/{h}/", f"lifecycle/{h}/training/"]
+    assert all(d["Properties"]["Prune"] is False for d in deployments.values())
+
+
+def _render(value, refs):
+    """Resolve a Ref / Fn::Join the way CloudFormation would, with fake pseudo-parameter values."""
+    if isinstance(value, str):
+        return value
+    if "Ref" in value:
+        return refs[value["Ref"]]
+    sep, parts = value["Fn::Join"]
+    return sep.join(_render(p, refs) for p in parts)
+
+
+def test_platform_settings_json_follows_the_contract(default):
+    (settings_file,) = default.outdir.glob("asset.*/platform-settings.json")
+    (scripts,) = [d for d in default.resources("Cluster", "Custom::CDKBucketDeployment").values()
+                  if "SourceMarkers" in d["Properties"]]
+    # Deploy-time values (bucket names, region) are markers the deployment handler replaces.
+    text = settings_file.read_text()
+    refs = {"AWS::AccountId": "123456789012", "AWS::Region": "us-east-1"}
+    for markers in scripts["Properties"]["SourceMarkers"]:
+        for marker, value in markers.items():
+            text = text.replace(marker, _render(value, refs))
+    settings = json.loads(text)
+    h = deployed_hash(default)
+    assert settings == {
+        "project": "sana", "cluster_name": "sana-hyperpod", "region": "us-east-1", "fsx_mount": "/fsx",
+        "groups": {"controller": "controller", "login": "login", "gpu": "gpu", "trn": "trn"},
+        "data_bucket": "sana-data-123456789012-us-east-1",
+        "artefacts_bucket": "sana-artefacts-123456789012-us-east-1",
+        "lifecycle_bucket": "sagemaker-sana-lc-123456789012-us-east-1",
+        "package_hash": h,
+        "neuron_pip_index": "https://pip.repos.neuron.amazonaws.com",
+        "rendezvous_port": 29500,
+        "envs": {"gpu": "/fsx/envs/gpu", "neuron": "/fsx/envs/neuron"},
+    }
+
+
+def test_outputs(default):
+    outputs = set(default.templates["Cluster"]["Outputs"]) | set(default.templates["Storage"]["Outputs"])
+    assert {"ClusterName", "ClusterArn", "DataBucket", "ArtefactsBucket", "LifecycleBucket", "LifecycleUri",
+            "FsxDnsName", "FsxMountName", "FeaturesUri", "CheckpointMirrorUri", "NeuronCompileCacheUri"} <= outputs
