@@ -127,3 +127,46 @@ def _doc_links() -> list[tuple[str, str]]:
 def test_relative_links_resolve(doc, target):
     path = (REPO / doc).parent / target.split("#")[0]
     assert path.exists(), f"{doc}: link to {target} does not resolve"
+
+
+def _platform_keys() -> set[str]:
+    from stacks.config import PlatformConfig
+
+    return set(PlatformConfig.keys())
+
+
+@pytest.mark.parametrize(("doc", "command"), _commands("cdk"))
+def test_cdk_context_overrides_are_platform_keys(doc, command):
+    keys = re.findall(r"(?:-c|--context)\s+([A-Za-z][\w]*)=", command)
+    for key in keys:
+        assert key in _platform_keys(), f"{doc}: `{command}` sets context key {key!r}, not in PlatformConfig"
+
+
+def _configure_table_keys() -> set[str]:
+    """Keys in the first column of configure.md's tables (`key` in backticks)."""
+    text = (REPO / "runbooks" / "configure.md").read_text()
+    return set(re.findall(r"^\|\s*`([A-Za-z]\w*)`\s*\|", text, re.M))
+
+
+def test_configure_md_documents_every_platform_key():
+    missing = _platform_keys() - _configure_table_keys()
+    assert not missing, f"runbooks/configure.md does not document context keys: {sorted(missing)}"
+
+
+def test_configure_md_documents_only_real_keys():
+    unknown = _configure_table_keys() - _platform_keys()
+    assert not unknown, f"runbooks/configure.md documents keys PlatformConfig does not have: {sorted(unknown)}"
+
+
+def test_readme_config_table_matches_cdk_json_defaults():
+    """The README's configuration table shows each key with cdk.json's default."""
+    import json
+
+    context = json.loads((REPO / "cdk.json").read_text())["context"]
+    readme = (REPO / "README.md").read_text()
+    for key in _platform_keys():
+        row = re.search(rf"^\|\s*`{key}`\s*\|([^\n]*)$", readme, re.M)
+        assert row, f"README.md configuration table has no row for {key}"
+        if key in context and context[key] not in ("", None):
+            default = json.dumps(context[key]) if isinstance(context[key], bool) else str(context[key])
+            assert default in row.group(1), f"README.md row for {key} does not show the cdk.json default {default}"
