@@ -1,0 +1,130 @@
+"""``python -m training.export CHECKPOINT_OR_RUN_DIR --out DIR [--ema]``: a checkpoint -> diffusers.
+
+The output is a plain diffusers model directory (``config.json`` +
+``diffusion_pytorch_model.safetensors``) that ``SanaTransformer2DModel.from_pretrained`` loads
+and that replaces the ``transformer`` of a ``SanaPipeline``. The source may be one
+``step-XXXXXXXX`` directory, a checkpoint root, a run directory (its ``checkpoints/``), or an
+``s3://`` URL of either (fetched first). The checkpoint is verified against its manifest
+(sha256) before anything is written, and the model is rebuilt and loaded strictly, so a key
+or shape mismatch fails here rather than in someone's inference job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from training.checkpoint import EMA_FILE, MANIFEST, MODEL_FILE, STATE_FILE, find_latest, verify
+from training.errors import UserError, exits_cleanly
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROVENANCE = "training_provenance.json"
+
+
+def resolve_checkpoint(source: str, cache_dir: str | Path | None = None) -> Path:
+    """The complete checkpoint directory ``source`` names (see the module docstring)."""
+    if source.startswith("s3://"):
+        from training.mirror import fetch_checkpoint, fetch_latest
+
+        cache = Path(cache_dir or tempfile.mkdtemp(prefix="sana-export-"))
+        is_step = source.rstrip("/").rsplit("/", 1)[-1].startswith("step-")
+        found = fetch_checkpoint(source, cache) if is_step else fetch_latest(source, cache)
+        if found is None:
+            raise UserError(f"{source}: no complete checkpoint (with manifest.json) there; check the URL")
+        return found
+    path = Path(source)
+    if (path / MANIFEST).exists():
+        if verify(path) is None:
+            raise UserError(f"{path}: files do not match manifest.json (incomplete or corrupt); "
+                            "export another step-* directory")
+        return path
+    for root in (path / "checkpoints", path):
+        if root.is_dir() and (found := find_latest(root)) is not None:
+            return found
+    raise UserError(f"{source}: no complete checkpoint here; give a step-XXXXXXXX directory, "
+                    "a checkpoint root or a run directory")
+
+
+def model_config(ckpt: Path) -> dict[str, Any]:
+    """The diffusers config the checkpoint was trained with."""
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    if state.get("model_config"):
+        return state["model_config"]
+    model_section = (state.get("config") or {}).get("model")
+    if not model_section:
+        raise UserError(f"{ckpt}/{STATE_FILE}: holds neither model_config nor the run's model section; "
+                        "cannot tell which architecture to rebuild")
+    from training.model import ModelConfig
+
+    return ModelConfig(**model_section).model_kwargs()
+
+
+def export(ckpt: Path, out: Path, *, ema: bool = False, dtype: str = "fp32", overwrite: bool = False) -> Path:
+    """Write the diffusers directory for ``ckpt`` to ``out`` (through a temp dir). Returns ``out``."""
+    from diffusers import SanaTransformer2DModel
+
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"--out: {out} exists and is not empty; choose a new directory or pass --overwrite")
+    weights = load_file(str(ckpt / MODEL_FILE))
+    if ema:
+        if not (ckpt / EMA_FILE).exists():
+            raise UserError(f"--ema: {ckpt} has no {EMA_FILE} (the run kept no EMA); export without --ema")
+        ema_weights = load_file(str(ckpt / EMA_FILE))
+        unknown = set(ema_weights) - set(weights)
+        if unknown:
+            raise UserError(f"{ckpt}/{EMA_FILE}: keys {sorted(unknown)[:3]} are not model parameters")
+        weights.update(ema_weights)  # EMA covers the trainable parameters; buffers come from the model
+    config = {k: v for k, v in model_config(ckpt).items() if not k.startswith("_")}
+    # NOTE: built on CPU, not "meta": non-persistent buffers (positional tables) are not in the
+    # state dict and would stay on the meta device.
+    model = SanaTransformer2DModel.from_config(config)
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as exc:
+        raise UserError(f"{ckpt}: weights do not fit the SanaTransformer2DModel config stored with them "
+                        f"({str(exc).splitlines()[0]})") from None
+    with torch.no_grad():  # (ModelMixin.to warns about fp32-pinned modules; Sana has none)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point():
+                tensor.data = tensor.data.to(DTYPES[dtype])
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    tmp = out.with_name(f".{out.name}.tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / PROVENANCE).write_text(json.dumps({
+        "checkpoint": str(ckpt.resolve()), "step": manifest["step"], "weights": "ema" if ema else "model",
+        "dtype": dtype, "source_sha256": {n: m["sha256"] for n, m in manifest["files"].items()
+                                          if n in (MODEL_FILE, EMA_FILE)},
+    }, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return out
+
+
+@exits_cleanly
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m training.export", description=__doc__.splitlines()[0])
+    p.add_argument("source", help="step-XXXXXXXX dir, checkpoint root, run dir, or s3:// URL of one")
+    p.add_argument("--out", required=True, help="diffusers model directory to write")
+    p.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw ones")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype on disk (default fp32)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--cache-dir", help="where an s3:// checkpoint is downloaded (default: a temp dir)")
+    args = p.parse_args(argv)
+    ckpt = resolve_checkpoint(args.source, args.cache_dir)
+    out = export(ckpt, Path(args.out), ema=args.ema, dtype=args.dtype, overwrite=args.overwrite)
+    print(json.dumps({"checkpoint": str(ckpt), "out": str(out), "ema": args.ema, "dtype": args.dtype}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
