@@ -311,27 +311,22 @@ def test_unexpected_state_on_fsx_fails_in_one_line(make_cluster, obstacle, step,
         assert f" step={step} cause=" in status
 
 
-@pytest.mark.slow
-def test_failed_env_build_is_never_marked_ready_and_the_next_boot_recovers(make_cluster, wheels, standins):
+def test_failed_env_build_is_never_marked_ready(make_cluster, wheels):
     c = make_cluster(gpu_requirements=f"{wheels['torch']}\n/nonexistent/wheels/diffusers-0.0.0-py3-none-any.whl\n")
     result = c.run("gpu-1")
     step, cause = failure(result)
     assert step == "env-gpu"
     assert cause.startswith("pip install -r ") and "requirements-gpu.txt failed (exit 1)" in cause
+    assert "diffusers-0.0.0-py3-none-any.whl" in result.stdout  # pip's own words are in the log
     assert ready_markers(c.fsx) == []
     assert not (c.fsx / "envs/gpu").exists(), "no env link for a failed build"
     assert list((c.fsx / "envs").glob("gpu-*")) == [], "the half-built env is removed"
     (status,) = (c.fsx / "logs/provision/gpu-1.status").read_text().splitlines()
     assert " FAILED node=gpu-1 " in status and " step=env-gpu cause=pip install -r " in status
-
-    # The stack ships a fixed package (new hash); the replacement node builds and is ready.
-    fixed = make_bundle(c.base / "bundle-fixed", wheels, package_hash="pkg0002")
-    c2 = Cluster(c.base, fixed, standins)
-    result = c2.run("gpu-2")
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert [p.parent.name for p in ready_markers(c.fsx)] == [os.readlink(c.fsx / "envs/gpu")]
-    assert len(c2.builds()) == 2  # the failed one and the good one
-    assert os.readlink(c.fsx / "platform/current") == "pkg0002"
+    # The lock went with the process: the next node to boot gets it at once and builds afresh
+    # (that path is the concurrent-boot test's first builder).
+    with open(c.fsx / "envs/.locks/gpu.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def test_waiting_for_another_nodes_build_times_out_in_one_line(make_cluster):
