@@ -370,8 +370,8 @@ def run(cfg: PrecomputeConfig) -> dict[str, Any] | None:
 
     work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="sana-precompute-"))
     work.mkdir(parents=True, exist_ok=True)
-    out = Output(cfg.out, work)
     units = list_units(cfg.input, cfg.samples_per_shard)
+    out = Output(cfg.out, work)
     done = out.markers()
     mine = [u for u in units if u.number % cfg.world_size == cfg.rank]
     todo = [u for u in mine if u.name[:-4] not in done]

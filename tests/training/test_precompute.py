@@ -1,0 +1,202 @@
+"""Precompute with tiny offline models: Sana's token rule, end to end, resume, ranks, S3."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import boto3
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from training.data import FeatureLoader
+from training.errors import UserError
+from training.precompute import main, preprocess
+from training.text_features import default_complex_human_instruction, encode_captions, encode_for_shards
+from training.tiny_components import (
+    TINY_RESOLUTION,
+    build_tiny_components,
+    write_image_caption_folder,
+    write_webdataset_tars,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+N = 16
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return build_tiny_components(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def loaded(models):
+    from diffusers import AutoencoderDC
+    from transformers import AutoTokenizer, Gemma2Model
+
+    return (AutoencoderDC.from_pretrained(models["vae"]).eval(), Gemma2Model.from_pretrained(models["text_encoder"]).eval(),
+            AutoTokenizer.from_pretrained(models["tokenizer"]))
+
+
+def args(models, inp, out, *extra) -> list[str]:
+    return ["--input", str(inp), "--out", str(out), "--vae", str(models["vae"]), "--text-encoder",
+            str(models["text_encoder"]), "--tokenizer", str(models["tokenizer"]), "--resolution",
+            str(TINY_RESOLUTION), "--max-text-tokens", str(N), "--batch-size", "3", *extra]
+
+
+@pytest.mark.parametrize("chi", [None, "default"])
+def test_embeddings_match_sana_pipeline(loaded, chi):
+    """Our selection of tokens is SanaPipeline.encode_prompt's, for prompts and the empty caption."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+
+    vae, text_encoder, tokenizer = loaded
+    transformer = SanaTransformer2DModel(patch_size=1, in_channels=4, out_channels=4, num_layers=1,
+                                         num_attention_heads=2, attention_head_dim=4, num_cross_attention_heads=2,
+                                         cross_attention_head_dim=4, cross_attention_dim=8, caption_channels=8,
+                                         sample_size=32)
+    pipe = SanaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                        scheduler=FlowMatchEulerDiscreteScheduler())
+    chi_list = list(default_complex_human_instruction()) if chi else None
+    # the second caption is longer than N: truncation keeps <bos> + the last N-1 positions
+    prompts = ["A Red circle on a blue background ", " ".join(["a small green square"] * 6)]
+    embeds, mask, neg, neg_mask = pipe.encode_prompt(prompts, do_classifier_free_guidance=True, negative_prompt="",
+                                                     device=torch.device("cpu"), max_sequence_length=N,
+                                                     complex_human_instruction=chi_list)
+    ours, our_mask = encode_captions(prompts, tokenizer, text_encoder, max_tokens=N,
+                                     complex_human_instruction=chi_list)
+    assert torch.equal(our_mask.cpu(), mask.cpu())
+    assert torch.equal(ours[mask.bool()], embeds[mask.bool()])
+    rows = encode_for_shards(prompts, tokenizer, text_encoder, max_tokens=N, complex_human_instruction=chi_list)
+    assert [r.shape[0] for r in rows] == mask.sum(1).tolist()
+    assert mask[1].sum() == N if chi else True  # the long caption fills all N
+    null = encode_for_shards([""], tokenizer, text_encoder, max_tokens=N)[0]
+    assert null.shape == (1, 8) and torch.equal(null, neg[0, :1])
+    assert neg_mask[0].tolist() == [1] + [0] * (N - 1)
+
+
+def test_preprocess_resizes_and_center_crops():
+    import io
+
+    from PIL import Image
+
+    img = Image.new("RGB", (80, 100), (255, 0, 0))
+    img.paste((0, 0, 255), (0, 0, 80, 10))  # a blue band at the top: cropped away
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    x = preprocess(buf.getvalue(), 64)
+    assert x.shape == (3, 64, 64) and x.min() >= -1 and x.max() <= 1
+    assert torch.allclose(x[:, 32, 32], torch.tensor([1.0, -1.0, -1.0]))
+    assert x[2, 0].max() < 0  # no blue left in the first row
+
+
+def test_folder_end_to_end_and_resume(models, loaded, tmp_path: Path, capsys):
+    raw = tmp_path / "raw"
+    write_image_caption_folder(raw, num=10, seed=1)
+    (raw / "orphan.png").write_bytes((raw / "000000.png").read_bytes())  # no caption: skipped
+    (raw / "broken.png").write_bytes(b"not a png")
+    (raw / "broken.txt").write_text("a red ring\n")
+    out = tmp_path / "features"
+    index = main(args(models, raw, out, "--samples-per-shard", "4"))
+    assert index["num_samples"] == 10 and [s["samples"] for s in index["shards"]] == [4, 4, 2]
+    assert index["latent_shape"] == [4, 32, 32] and index["text_dim"] == 8 and index["max_text_tokens"] == N
+    assert index["created_by"]["skipped"] == 1
+    err = capsys.readouterr().err
+    assert "1 images under" in err and "broken: unreadable image" in err
+
+    # a shard holds exactly what the models give for that sample (bf16)
+    vae, text_encoder, tokenizer = loaded
+    with tarfile.open(out / "shard-00000.tar") as tar:
+        first = tar.getmembers()[0]
+        stored = st_load(tar.extractfile(first).read())
+    assert first.name == "000000.safetensors"
+    with torch.no_grad():
+        latents = vae.encode(preprocess((raw / "000000.png").read_bytes(), 64)[None]).latent[0]
+    text = encode_for_shards([(raw / "000000.txt").read_text()], tokenizer, text_encoder, max_tokens=N)[0]
+    assert torch.equal(stored["latents"], latents.bfloat16()) and torch.equal(stored["text"], text.bfloat16())
+
+    loader = FeatureLoader(out, batch_size=5, prefetch=0)
+    batch = next(loader)
+    assert batch["latents"].shape == (5, 4, 32, 32) and batch["text"].shape == (5, N, 8)
+    assert loader.null_caption()[1].tolist() == [1] + [0] * (N - 1)
+
+    # resume: shard 1 lost its marker (killed before publishing), index gone
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.tar")}
+    (out / "shard-00001.json").unlink()
+    (out / "index.json").unlink()
+    again = main(args(models, raw, out, "--samples-per-shard", "4"))
+    assert "3 shards in total, 3 mine, 2 already done" in capsys.readouterr().out
+    after = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.tar")}
+    assert after["shard-00000.tar"] == before["shard-00000.tar"]
+    assert after["shard-00002.tar"] == before["shard-00002.tar"]
+    assert after["shard-00001.tar"] != before["shard-00001.tar"]
+    assert again["shards"] == index["shards"]  # deterministic: the redone shard is byte-identical
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun(models, tmp_path: Path):
+    raw = tmp_path / "raw"
+    write_image_caption_folder(raw, num=9, seed=2)
+    out = tmp_path / "features"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "training.precompute", *args(models, raw, out, "--samples-per-shard", "2", "--merge-timeout", "120")]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 0/2: 5 shards in total, 3 mine" in proc.stdout and "rank 1/2: 5 shards in total, 2 mine" in proc.stdout
+    index = json.loads((out / "index.json").read_text())
+    assert index["num_samples"] == 9 and [s["name"] for s in index["shards"]] == [
+        f"shard-{i:05d}.tar" for i in range(5)]
+    single = main(args(models, raw, tmp_path / "single", "--samples-per-shard", "2"))
+    assert [(s["name"], s["samples"]) for s in single["shards"]] == [(s["name"], s["samples"]) for s in index["shards"]]
+    # same samples in the same places (bits may differ: OMP_NUM_THREADS=1 sums in another order)
+    for shard in index["shards"]:
+        with tarfile.open(out / shard["name"]) as a, tarfile.open(tmp_path / "single" / shard["name"]) as b:
+            assert a.getnames() == b.getnames()
+            for m in a.getmembers():
+                x, y = st_load(a.extractfile(m).read()), st_load(b.extractfile(m.name).read())
+                torch.testing.assert_close(x, y)
+
+
+def test_webdataset_tars_from_and_to_s3(models, s3_bucket: str, tmp_path: Path, capsys):
+    s3 = boto3.client("s3")
+    for tar in write_webdataset_tars(tmp_path / "raw", num=7, per_tar=4, seed=3):
+        s3.upload_file(str(tar), s3_bucket, f"raw/{tar.name}")
+    out = f"s3://{s3_bucket}/features/v1"
+    index = main(args(models, f"s3://{s3_bucket}/raw/", out, "--work-dir", str(tmp_path / "work")))
+    assert index["num_samples"] == 7 and [s["samples"] for s in index["shards"]] == [4, 3]
+    keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket, Prefix="features/v1/")["Contents"])
+    assert keys == [f"features/v1/{n}" for n in ("index.json", "null_caption.safetensors", "shard-00000.json",
+                                                 "shard-00000.tar", "shard-00001.json", "shard-00001.tar")]
+    loader = FeatureLoader(out, batch_size=3, cache_dir=tmp_path / "cache", prefetch=0)
+    assert next(loader)["latents"].shape == (3, 4, 32, 32)
+    # resume on S3: nothing left to do, index rewritten identically
+    capsys.readouterr()
+    assert main(args(models, f"s3://{s3_bucket}/raw/", out, "--work-dir", str(tmp_path / "w2"))) == index
+    assert "2 shards in total, 2 mine, 2 already done" in capsys.readouterr().out
+
+
+def test_user_errors_are_one_line(models, tmp_path: Path, capsys, s3_bucket: str):
+    write_image_caption_folder(tmp_path / "raw", num=2)
+    for argv, message in [
+        (args(models, tmp_path / "nope", tmp_path / "o"), "no such directory"),
+        (args(models, tmp_path / "o", tmp_path / "o"), "no such directory"),
+        (args(models, tmp_path / "raw" / "000000.txt", tmp_path / "o"), "no such directory"),
+        (args(models, tmp_path, tmp_path / "o", "--resolution", "100"), "--resolution: 100 is not a multiple of 32"),
+        (args(models, tmp_path / "raw", f"s3://{s3_bucket}-missing/x"), "bucket does not exist"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err and err.count("\n") == 1, err
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="found no image \\+ .txt caption pairs"):
+        main.__wrapped__(args(models, tmp_path / "empty", tmp_path / "o"))
+    bad = args(models, tmp_path / "raw", tmp_path / "o")
+    bad[bad.index("--vae") + 1] = str(tmp_path / "no-vae")
+    with pytest.raises(UserError, match="--vae .*no-vae: no such directory"):
+        main.__wrapped__(bad)
