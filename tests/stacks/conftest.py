@@ -94,6 +94,12 @@ _CACHE: dict[str, Synth] = {}
 
 
 @pytest.fixture(scope="session")
+def cdk():
+    """Run the project's pinned CDK CLI (``npx --no-install cdk ...``) in the repo."""
+    return cdk_cli
+
+
+@pytest.fixture(scope="session")
 def synthesized(tmp_path_factory):
     """``synthesized(name)`` -> the Synth of that variant (built on first use, then cached)."""
 
