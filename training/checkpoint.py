@@ -458,6 +458,8 @@ class Checkpointer:
         if path is None:
             return None
         backend = self.backend
+        if backend.is_main:
+            self._set_aside_later(path)
         meta = json.loads((path / STATE_FILE).read_text())
         backend.load_model_state_dict(model, load_file(str(path / MODEL_FILE)))
         backend.load_optimizer_state_dict(model, optimizer,
@@ -482,6 +484,22 @@ class Checkpointer:
         self.last_saved_step = state.step
         log.info("resumed from %s at step %d", path, state.step)
         return path
+
+    def _set_aside_later(self, resumed: Path) -> None:
+        """Resuming from an older checkpoint of this root abandons the later ones: rename them
+        so that a crash followed by ``--resume auto`` never jumps back onto that trajectory."""
+        match = _STEP_RE.match(resumed.name)
+        if match is None or resumed.resolve().parent != self.root.resolve():
+            return
+        step = int(match.group(1))
+        for later, path in list_complete(self.root):
+            if later > step:
+                target = path.with_name(f"abandoned-{path.name}")
+                n = 1
+                while target.exists():
+                    target, n = path.with_name(f"abandoned-{path.name}.{n}"), n + 1
+                log.warning("resuming from step %d: renaming the later %s to %s", step, path.name, target.name)
+                os.replace(path, target)
 
     def close(self) -> None:
         """Wait for the S3 mirror to finish every queued upload."""
