@@ -663,7 +663,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--prefetch", type=int, default=4)
     args = p.parse_args(argv)
     if args.info:
-        print(FeatureIndex.load(args.info).summary())
+        index = FeatureIndex.load(args.info)
+        print(index.summary())
+        if not index.is_s3:  # on FSx: have all shards been imported from S3 yet?
+            missing = [s.name for s in index.shards if not (Path(index.source) / s.name).is_file()]
+            if missing:
+                raise UserError(f"{index.source}: {len(missing)} of {len(index.shards)} shards not present yet "
+                                f"(first: {missing[0]}); wait for the FSx import or re-run precompute")
+            print(f"all {len(index.shards)} shards present")
     if args.bench:
         if not (Path(args.bench) / INDEX).exists():
             t0 = time.perf_counter()

@@ -278,7 +278,7 @@ def test_cli_info_and_clean_error(features: Path, tmp_path: Path, capsys):
 
     main(["--info", str(features)])
     out = capsys.readouterr().out
-    assert "50 samples in 4 shards" in out and "bytes)" in out
+    assert "50 samples in 4 shards" in out and "bytes)" in out and "all 4 shards present" in out
     with pytest.raises(SystemExit) as exit_:
         main(["--info", str(tmp_path / "missing")])
     err = capsys.readouterr().err
