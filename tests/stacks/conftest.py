@@ -61,10 +61,50 @@ class Synth:
         return {g["InstanceGroupName"]: g for g in self.cluster()["InstanceGroups"]}
 
 
+def _cli_command(*args: str) -> tuple[list[str], dict[str, str]]:
+    return ["npx", "--no-install", "cdk", *args], {**os.environ, "CDK_DISABLE_CLI_TELEMETRY": "true"}
+
+
 def cdk_cli(*args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CDK_DISABLE_CLI_TELEMETRY": "true"}
-    return subprocess.run(["npx", "--no-install", "cdk", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    cmd, env = _cli_command(*args)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+class BackgroundCliSynth:
+    """`cdk synth` of a CLI variant in a child process, started early so it overlaps the in-process synth."""
+
+    def __init__(self, name: str, outdir: Path) -> None:
+        from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_hash
+
+        self.outdir = outdir
+        self.hash_before = package_hash(LIFECYCLE_DIR, TRAINING_DIR)
+        overrides = [arg for key, value in VARIANTS[name].items() for arg in ("-c", f"{key}={value}")]
+        cmd, env = _cli_command("synth", "--quiet", "--no-notices", "--output", str(outdir), *overrides)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+
+    def wait(self) -> None:
+        output, _ = self.proc.communicate(timeout=600)
+        assert self.proc.returncode == 0, output
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+_BACKGROUND: dict[str, BackgroundCliSynth] = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_cli_synths(request, tmp_path_factory):
+    """Start the CLI variants' synth at session start, if any collected test needs a variant."""
+    needed = any({"synthesized", *CLI_VARIANTS} & set(getattr(item, "fixturenames", ())) for item in request.session.items)
+    for name in CLI_VARIANTS if needed else ():
+        _BACKGROUND[name] = BackgroundCliSynth(name, tmp_path_factory.mktemp(f"cdk-{name}"))
+    yield
+    for job in _BACKGROUND.values():
+        job.stop()
 
 
 def _synth(name: str, outdir: Path) -> Synth:
@@ -73,9 +113,9 @@ def _synth(name: str, outdir: Path) -> Synth:
     context = VARIANTS[name]
     expected_hash = package_hash(LIFECYCLE_DIR, TRAINING_DIR)
     if name in CLI_VARIANTS:
-        overrides = [arg for key, value in context.items() for arg in ("-c", f"{key}={value}")]
-        proc = cdk_cli("synth", "--quiet", "--no-notices", "--output", str(outdir), *overrides)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+        job = _BACKGROUND[name]
+        job.wait()
+        outdir, expected_hash = job.outdir, job.hash_before
     else:
         from stacks.platform import build_app
 
