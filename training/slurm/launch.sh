@@ -228,6 +228,7 @@ run_node() {
     # Neuron runtime collectives bootstrap from one root address per job (Neuron docs,
     # neuronx-distributed Slurm examples); same first-node rule as the rendezvous.
     export NEURON_RT_ROOT_COMM_ID=${NEURON_RT_ROOT_COMM_ID:-$head:${SANA_NEURON_COMM_PORT:-46820}}
+    echo "launch.sh: $(hostname -s): NEURON_RT_ROOT_COMM_ID=$NEURON_RT_ROOT_COMM_ID"
   fi
   export PYTHONPATH=$PACKAGE_ROOT${PYTHONPATH:+:$PYTHONPATH}
 
