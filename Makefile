@@ -55,7 +55,8 @@ demo: audit ## the main job locally: audit, then precompute + train + resume + e
 
 test: test-platform test-xla ## the whole test suite (what CI runs)
 
-test-platform: setup
+# setup-xla too: tests/slurm submits train-trainium.sbatch, which runs in .venv-xla.
+test-platform: setup setup-xla
 	$(PY) -m pytest tests --ignore=tests/xla
 
 test-xla: setup setup-xla
