@@ -5,9 +5,9 @@ reading them. Everything lives in a private temp dir (own munge key and socket, 
 state, spool and logs), so nothing touches a system Slurm or munge. The container has no
 cgroups, so the config uses proctrack/linuxproc and task/none.
 
-Binaries missing -> the tests skip and say `make setup`. Binaries present but the daemons
-do not come up -> skip with the daemon logs, unless SANA_REQUIRE_SLURM=1 (CI), which turns
-that into a failure so the Slurm tests can never silently stop running there.
+Binaries missing -> the tests skip and say `make setup`; binaries present but the daemons
+do not come up -> skip with the daemon logs. SANA_REQUIRE_SLURM=1 (set by .ci/run) turns
+both into failures, so the Slurm tests can never silently stop running in CI.
 """
 
 from __future__ import annotations
@@ -250,7 +250,10 @@ def _boot(cluster: SlurmCluster) -> None:
 def slurm_cluster() -> Iterator[SlurmCluster]:
     missing = [tool for tool in (*DAEMONS, *CLIENTS) if shutil.which(tool) is None]
     if missing:
-        pytest.skip(f"Slurm/munge not installed ({', '.join(missing)} missing); run `make setup`")
+        reason = f"Slurm/munge not installed ({', '.join(missing)} missing); run `make setup`"
+        if os.environ.get("SANA_REQUIRE_SLURM") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
     # Not pytest's tmp_path: munged needs every directory above its socket to be traversable,
     # and pytest's base dir is 0700.
     root = Path(tempfile.mkdtemp(prefix="sana-slurm-"))
