@@ -34,8 +34,6 @@ common_env() {
   export_line SANA_RDZV_PORT "$CFG_RDZV_PORT"
   export_line SANA_ARTEFACTS_BUCKET "$CFG_ARTEFACTS_BUCKET"
   export_line SANA_DATA_BUCKET "$CFG_DATA_BUCKET"
-  # Model/tokenizer downloads land once on FSx instead of on every node's root volume.
-  export_line HF_HOME "$FSX/cache/huggingface"
   # boto3 does not take the region from instance metadata; the buckets live in this one.
   # shellcheck disable=SC2016 # expanded by the shell that sources the profile
   printf 'export AWS_DEFAULT_REGION="${AWS_DEFAULT_REGION:-%s}"\n' "$CFG_REGION"

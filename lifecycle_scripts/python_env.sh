@@ -73,7 +73,10 @@ build_env() {
   fi
   local status=0
   # --no-cache-dir: the wheels (GBs for torch + CUDA) would only fill the root volume twice.
-  "$target/bin/python" -m pip install --no-input --disable-pip-version-check --no-cache-dir \
+  # --retries 10: HyperPod's host agent restarts systemd-resolved while lifecycle scripts run
+  # (awsome-distributed-training's on_create.sh sleeps 30 s for it); pip retries name
+  # resolution errors with backoff, which rides that out without a blind sleep.
+  "$target/bin/python" -m pip install --no-input --disable-pip-version-check --no-cache-dir --retries 10 \
     "${index_args[@]}" -r "$requirements" || status=$?
   ((status == 0)) || die "pip install -r $requirements failed (exit $status); the pip output above in the provisioning log says which requirement"
   # The package on FSx (platform/current) is importable from the env without PYTHONPATH.

@@ -59,6 +59,9 @@ for kind in ("gpu", "neuron"):
 package_hash = get("package_hash")
 if not re.fullmatch(r"[A-Za-z0-9._-]+", package_hash) or package_hash.startswith("."):
     fail(f"key 'package_hash' must be a plain directory name, got {package_hash!r}")
+region = get("region")
+if not re.fullmatch(r"[a-z]{2}(-[a-z]+)+-[0-9]+", region):
+    fail(f"key 'region' is not an AWS region name, got {region!r}")
 port = get("rendezvous_port", int)
 if not 1 <= port <= 65535:
     fail(f"key 'rendezvous_port' must be a TCP port, got {port}")
@@ -69,7 +72,7 @@ env_neuron = abspath("envs.neuron", envs["neuron"])
 values = {
     "CFG_PROJECT": get("project"),
     "CFG_CLUSTER_NAME": get("cluster_name"),
-    "CFG_REGION": get("region"),
+    "CFG_REGION": region,
     "CFG_DATA_BUCKET": get("data_bucket"),
     "CFG_ARTEFACTS_BUCKET": get("artefacts_bucket"),
     "CFG_PACKAGE_HASH": package_hash,

@@ -151,8 +151,7 @@ def test_region_in_the_profile_yields_to_an_explicit_one(cluster):
 def test_shared_directories_exist_with_their_modes(cluster):
     c, _, _ = cluster
     modes = {"envs": 0o755, "platform": 0o755, "logs/provision": 0o755, "checkpoints": 0o1777,
-             "logs": 0o1777, "data": 0o1777, "cache": 0o1777, "cache/neuron": 0o1777,
-             "cache/huggingface": 0o1777}
+             "logs": 0o1777, "data": 0o1777, "cache": 0o1777, "cache/neuron": 0o1777}
     assert {d: (c.fsx / d).stat().st_mode & 0o7777 for d in modes} == modes
 
 
@@ -282,6 +281,7 @@ def test_group_without_a_role_in_settings_fails(make_cluster):
     (lambda s: s.replace('"fsx_mount": "/fsx",', ""), "key 'fsx_mount' is missing"),
     (lambda s: s.replace('"gpu": "gpu"', '"gpu": "gpus"'), "groups['gpu'] = 'gpus' is not one of"),
     (lambda s: s.replace('"package_hash": "pkg0001"', '"package_hash": "../x"'), "must be a plain directory name"),
+    (lambda s: s.replace('"eu-west-1"', '"eu-west-1\\"; touch /tmp/x"'), "key 'region' is not an AWS region name"),
     (lambda s: s[:-3], "not valid JSON"),
 ])
 def test_bad_settings_fail_in_the_settings_step(make_cluster, edit, expected):
