@@ -35,7 +35,7 @@ import sys
 import tarfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -454,12 +454,75 @@ class _BufferPool:
         return {k: t.view(t.shape) for k, t in item.items()}
 
 
+class _Reader:
+    """Order + collate for one rank, shared by the caller's thread and the prefetch thread.
+
+    Holds no reference to the FeatureLoader, so a loader dropped without ``close()`` is
+    still collected and its ``__del__`` stops the thread.
+    """
+
+    def __init__(self, decoder: _Decoder, *, batch_size: int, rank: int, world_size: int, seed: int,
+                 pool_size: int) -> None:
+        self.decoder, self.batch_size, self.rank, self.seed = decoder, batch_size, rank, seed
+        self.num_samples = decoder.index.num_samples
+        self.global_batch = batch_size * world_size
+        self.steps_per_epoch = self.num_samples // self.global_batch
+        self.pool_size = pool_size
+        self._perm: tuple[int, torch.Tensor] = (-1, torch.empty(0))
+        self._pool: _BufferPool | None = None
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=gen)
+
+    def indices(self, epoch: int, step: int, perm: torch.Tensor | None = None) -> list[int]:
+        perm = self.permutation(epoch) if perm is None else perm
+        start = step * self.global_batch + self.rank * self.batch_size
+        return perm[start:start + self.batch_size].tolist()
+
+    def load(self, epoch: int, step: int) -> dict[str, torch.Tensor]:
+        if self._perm[0] != epoch:
+            self._perm = (epoch, self.permutation(epoch))
+        if self._pool is None:
+            self._pool = _BufferPool(lambda: self.decoder.empty_batch(self.batch_size), self.pool_size)
+        buffers = self._pool.get()
+        self.decoder.batch(self.indices(epoch, step, self._perm[1]), out=buffers)
+        return self._pool.views(buffers)
+
+    def next_position(self, epoch: int, step: int) -> tuple[int, int]:
+        step += 1
+        return (epoch + 1, 0) if step == self.steps_per_epoch else (epoch, step)
+
+
+def _produce(reader: _Reader, epoch: int, step: int, stop: threading.Event, out: queue.Queue) -> None:
+    """Prefetch thread: batches from (epoch, step) on into ``out`` until ``stop``."""
+    # One core for collate: the copies are memory-bound, and an OpenMP team spinning
+    # beside the training step's own costs more than it gains (per-thread setting).
+    torch.set_num_threads(1)
+
+    def put(item: object) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        while put(((epoch, step), reader.load(epoch, step))):
+            epoch, step = reader.next_position(epoch, step)
+    except BaseException as exc:  # handed to the consumer, raised there with the shard's name
+        put(exc)
+
+
 class FeatureLoader:
     """Infinite iterator of static-shape batches for one rank; see the module docstring.
 
     Yields ``{"latents": f32 [B,C,H,W] (unscaled), "text": f32 [B,N,D] zero-padded,
     "text_mask": i64 [B,N]}``. ``state_dict()`` is the position after the last batch
     *returned* (prefetched batches do not count), so a restored loader continues exactly.
+    Call ``close()`` (or use it as a context manager) to stop the prefetch thread.
     """
 
     def __init__(self, source: str | os.PathLike[str] | FeatureIndex, *, batch_size: int, rank: int = 0,
@@ -478,9 +541,9 @@ class FeatureLoader:
         self._decoder = _Decoder(self.index, cache_dir, verify)
         if self.index.is_s3:
             self._decoder.prefetch_all()
+        self._reader = _Reader(self._decoder, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed,
+                               pool_size=prefetch + 4)
         self.epoch, self.step = 0, 0
-        self._perm: tuple[int, torch.Tensor] = (-1, torch.empty(0))  # cache, owned by the loading thread
-        self._pool: _BufferPool | None = None  # owned by the loading thread
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue | None = None
         self._stop = threading.Event()
@@ -490,24 +553,13 @@ class FeatureLoader:
         return cls(cfg.path, batch_size=cfg.batch_size, rank=rank, world_size=world_size, seed=cfg.seed,
                    cache_dir=cfg.cache_dir, prefetch=cfg.prefetch, verify=cfg.verify)
 
-    # -- order ---------------------------------------------------------------
     def permutation(self, epoch: int) -> torch.Tensor:
         """The epoch's order of all samples: a function of (seed, epoch) only."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.index.num_samples, generator=gen)
+        return self._reader.permutation(epoch)
 
-    def indices(self, epoch: int, step: int, perm: torch.Tensor | None = None) -> list[int]:
+    def indices(self, epoch: int, step: int) -> list[int]:
         """Global sample indices of this rank's slice of (epoch, step)."""
-        perm = self.permutation(epoch) if perm is None else perm
-        start = step * self.global_batch + self.rank * self.batch_size
-        return perm[start:start + self.batch_size].tolist()
-
-    def _positions(self, epoch: int, step: int) -> Iterator[tuple[int, int]]:
-        while True:
-            yield epoch, step
-            step += 1
-            if step == self.steps_per_epoch:
-                epoch, step = epoch + 1, 0
+        return self._reader.indices(epoch, step)
 
     # -- iteration -----------------------------------------------------------
     def __iter__(self) -> FeatureLoader:
@@ -515,57 +567,25 @@ class FeatureLoader:
 
     def __next__(self) -> dict[str, torch.Tensor]:
         if self.prefetch == 0:
-            batch = self._load(self.epoch, self.step)
+            batch = self._reader.load(self.epoch, self.step)
         else:
             if self._thread is None:
-                self._start()
+                self._stop = threading.Event()
+                self._queue = queue.Queue(maxsize=self.prefetch)
+                self._thread = threading.Thread(target=_produce, name="feature-loader", daemon=True,
+                                                args=(self._reader, self.epoch, self.step, self._stop, self._queue))
+                self._thread.start()
             item = self._queue.get()
             if isinstance(item, BaseException):
-                self._thread = None
+                self.close()
                 raise item
             (epoch, step), batch = item
             assert (epoch, step) == (self.epoch, self.step), "prefetch thread out of step"
-        self.step += 1
-        if self.step == self.steps_per_epoch:
-            self.epoch, self.step = self.epoch + 1, 0
+        self.epoch, self.step = self._reader.next_position(self.epoch, self.step)
         return batch
 
-    def _load(self, epoch: int, step: int) -> dict[str, torch.Tensor]:
-        if self._perm[0] != epoch:
-            self._perm = (epoch, self.permutation(epoch))
-        if self._pool is None:
-            self._pool = _BufferPool(lambda: self._decoder.empty_batch(self.batch_size), self.prefetch + 4)
-        buffers = self._pool.get()
-        self._decoder.batch(self.indices(epoch, step, self._perm[1]), out=buffers)
-        return self._pool.views(buffers)
-
-    def _start(self) -> None:
-        self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=self.prefetch)
-        self._thread = threading.Thread(target=self._produce, args=(self.epoch, self.step, self._stop, self._queue),
-                                        name="feature-loader", daemon=True)
-        self._thread.start()
-
-    def _produce(self, epoch: int, step: int, stop: threading.Event, out: queue.Queue) -> None:
-        # One core for collate: the copies are memory-bound, and an OpenMP team spinning
-        # beside the training step's own costs more than it gains (per-thread setting).
-        torch.set_num_threads(1)
-        try:
-            for pos in self._positions(epoch, step):
-                item = (pos, self._load(*pos))
-                while not stop.is_set():
-                    try:
-                        out.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-        except BaseException as exc:  # handed to the consumer, raised there with the shard's name
-            out.put(exc)
-
     def close(self) -> None:
-        """Stop the prefetch thread (the loader can be iterated again afterwards)."""
+        """Stop the prefetch thread (iterating again restarts it at the current position)."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=30)
@@ -578,8 +598,9 @@ class FeatureLoader:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_thread", None) is not None:
-            self._stop.set()
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
 
     # -- state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -140,6 +140,18 @@ def test_kept_batches_are_not_overwritten(features: Path):
     assert torch.equal(view, snapshot)
 
 
+def test_dropped_loader_stops_its_thread(features: Path):
+    import gc
+
+    loader = FeatureLoader(features, batch_size=4, prefetch=2)
+    next(loader)
+    thread = loader._thread
+    del loader
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 def test_too_small_dataset_for_global_batch(features: Path):
     with pytest.raises(UserError, match="less than one global batch"):
         FeatureLoader(features, batch_size=26, world_size=2)
