@@ -72,7 +72,8 @@ point_link() {
   if [[ -e $link && ! -L $link ]]; then
     die "$link exists and is not a symlink; move it away so the platform can manage it"
   fi
-  tmp="$(dirname "$link")/.$(basename "$link").$$.tmp"
+  # Unique across nodes: identical AMIs booting together can run this with the same PID.
+  tmp="$(dirname "$link")/.$(basename "$link").${NODE_NAME:-$HOSTNAME}.$$.tmp"
   ln -sfn "$target" "$tmp"
   mv -T "$tmp" "$link"
 }

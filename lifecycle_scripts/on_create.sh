@@ -17,6 +17,9 @@
 #   SAGEMAKER_RESOURCE_CONFIG_PATH  HyperPod's resource config (default /opt/ml/config/resource_config.json)
 #   LIFECYCLE_FSX_WAIT_S            how long to wait for the FSx mount (default 300)
 #   LIFECYCLE_ENV_LOCK_TIMEOUT_S    how long to wait for another node's env build (default 3600)
+
+# Started as `sh on_create.sh`? Re-run under bash before anything bash-only.
+if [ -z "${BASH_VERSION:-}" ]; then exec bash "$0" "$@"; fi
 set -euo pipefail
 
 LIFECYCLE_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

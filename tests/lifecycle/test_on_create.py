@@ -222,6 +222,10 @@ def test_rerun_is_idempotent(cluster):
         assert result.returncode == 0, result.stdout[-3000:]
         assert "is already built and ready" in result.stdout or role(node) == "controller"
         assert snapshot(node) == before[node]
+    # HyperPod may start the entry with sh: it re-executes itself under bash.
+    proc = subprocess.run(["sh", str(c.bundle / "on_create.sh")], env=c.env("login-1"), cwd=c.bundle,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and "READY node=login-1" in proc.stdout, proc.stdout[-2000:]
     assert c.builds() == builds
     assert len(list((c.fsx / "envs").glob("gpu-*"))) == 1
 
