@@ -9,6 +9,7 @@ them and turns every mistake into one line naming the key::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import types
 import typing
@@ -83,6 +84,9 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
     if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
         raise UserError(f"config key {key}: expected an integer, got {value!r}")
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "2e-4" (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise UserError(f"config key {key}: expected a number, got {value!r}")
         return float(value)

@@ -43,6 +43,7 @@ class TrainResult:
     step_times: list[float]  # host wall seconds per optimizer step, after each step's sync
     samples_per_step: int  # global samples per optimizer step
     checkpoint: Path | None  # last checkpoint written (or resumed from), if any
+    model: nn.Module | None = None  # the prepared model, for callers that go on using it (tests)
 
 
 def forward_backward(model: nn.Module, objective: RectifiedFlow, batch: Batch, backend: Backend,
@@ -161,4 +162,5 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
         ckpt.close()
         metrics.close()
     return TrainResult(steps=len(step_times), final_loss=final_loss[0] if final_loss else None,
-                       step_times=step_times, samples_per_step=global_batch, checkpoint=last_ckpt)
+                       step_times=step_times, samples_per_step=global_batch, checkpoint=last_ckpt,
+                       model=model)

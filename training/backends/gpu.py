@@ -112,6 +112,11 @@ class GpuBackend(Backend):
             if self.cfg.tf32:
                 torch.backends.cuda.matmul.allow_tf32 = True
                 torch.backends.cudnn.allow_tf32 = True
+        elif "OMP_NUM_THREADS" not in os.environ:
+            # CPU runs are tests and the demo on tiny models: intra-op threads cost far more
+            # than they give there (measured 15x slower with 2 threads on 2 busy cores).
+            # OMP_NUM_THREADS overrides.
+            torch.set_num_threads(1)
         needs_group = self.world_size > 1 or self.cfg.distributed == "fsdp"
         if needs_group and not dist.is_initialized():
             kw: dict[str, Any] = {}

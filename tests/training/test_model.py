@@ -1,0 +1,79 @@
+"""Presets build the intended SanaTransformer2DModel; pretrained dirs load from disk and S3."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from training import s3
+from training.errors import UserError
+from training.model import PRESETS, ModelConfig, build_model, count_parameters
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models on shared cores: one intra-op thread is ~15x faster than two."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("preset", "millions"), [("sana-600m-512", 591.7), ("sana-1600m-1024", 1604.5)])
+def test_big_presets_parameter_count_on_meta(preset: str, millions: float) -> None:
+    model = build_model(ModelConfig(preset=preset), device="meta")
+    n = count_parameters(model) / 1e6
+    assert abs(n - millions) / millions < 0.005, n
+    assert next(model.parameters()).device.type == "meta"
+
+
+def test_preset_shapes_match_issue() -> None:
+    kw = PRESETS["sana-600m-512"]
+    assert (kw["num_layers"], kw["num_attention_heads"], kw["attention_head_dim"]) == (28, 36, 32)
+    assert (kw["num_cross_attention_heads"], kw["cross_attention_head_dim"], kw["cross_attention_dim"]) == (16, 72, 1152)
+    assert (kw["caption_channels"], kw["in_channels"], kw["patch_size"], kw["sample_size"]) == (2304, 32, 1, 16)
+    kw = PRESETS["sana-1600m-1024"]
+    assert (kw["num_layers"], kw["num_attention_heads"], kw["attention_head_dim"]) == (20, 70, 32)
+    assert (kw["num_cross_attention_heads"], kw["cross_attention_head_dim"], kw["cross_attention_dim"]) == (20, 112, 2240)
+    assert kw["sample_size"] == 32
+
+
+def test_tiny_forward_and_overrides() -> None:
+    model = build_model(ModelConfig(preset="tiny", overrides={"num_layers": 2}, gradient_checkpointing=True))
+    assert len(model.transformer_blocks) == 2 and model.gradient_checkpointing and model.training
+    out = model(torch.randn(2, 4, 8, 8), torch.randn(2, 5, 8), torch.tensor([10.0, 900.0]),
+                encoder_attention_mask=torch.ones(2, 5), return_dict=False)[0]
+    assert out.shape == (2, 4, 8, 8)
+    out.square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_bad_override_is_user_error() -> None:
+    with pytest.raises(UserError, match="model.overrides"):
+        build_model(ModelConfig(preset="tiny", overrides={"num_heads": 3}))
+
+
+def _saved_tiny(path: Path) -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    model = build_model(ModelConfig(preset="tiny"))
+    model.save_pretrained(path)
+    return model.state_dict()
+
+
+def test_pretrained_local_dir(tmp_path: Path) -> None:
+    want = _saved_tiny(tmp_path / "transformer")
+    got = build_model(ModelConfig(pretrained=str(tmp_path / "transformer"))).state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    with pytest.raises(UserError, match="model.pretrained"):
+        build_model(ModelConfig(pretrained=str(tmp_path)))
+
+
+def test_pretrained_from_s3(tmp_path: Path, s3_bucket: str) -> None:
+    want = _saved_tiny(tmp_path / "transformer")
+    for f in (tmp_path / "transformer").iterdir():
+        s3.upload_file(f, f"s3://{s3_bucket}/models/tiny/{f.name}")
+    cfg = ModelConfig(pretrained=f"s3://{s3_bucket}/models/tiny", pretrained_cache=str(tmp_path / "cache"))
+    got = build_model(cfg).state_dict()
+    assert all(torch.equal(want[k], got[k]) for k in want)
