@@ -1,0 +1,169 @@
+"""``python -m training.demo --out DIR`` (``make demo``): the whole training path on this CPU.
+
+Synthetic image+caption pairs -> precompute with tiny random DC-AE / Gemma-2 / tokenizer ->
+train the ``tiny`` preset (checkpoint every 50 steps) -> stop at step 150 and resume to 300
+-> export a diffusers directory -> sample one image with ``SanaPipeline`` -> print where
+everything went.
+
+The run is a list of steps (``STEPS``); each takes the shared ``Demo`` and records what it
+made in ``demo.where``. To extend the demo (bench, report), append a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from training.errors import exits_cleanly
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "training" / "configs" / "tiny-cpu.yaml"
+
+
+@dataclasses.dataclass
+class Demo:
+    """State shared by the steps: the output root and what each step produced."""
+
+    out: Path
+    samples: int = 64
+    steps: int = 300
+    resume_at: int = 150
+    checkpoint_every: int = 50
+    where: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def path(self, name: str) -> Path:
+        return self.out / name
+
+
+def make_raw_data(demo: Demo) -> None:
+    """Image + caption pairs in the folder layout precompute reads."""
+    from training.tiny_components import write_image_caption_folder
+
+    write_image_caption_folder(demo.path("raw"), num=demo.samples, seed=0)
+    demo.where["raw images + captions"] = demo.path("raw")
+
+
+def make_tiny_models(demo: Demo) -> None:
+    """Random tiny DC-AE, Gemma-2 and tokenizer (no downloads; shapes fit the tiny preset)."""
+    from training.tiny_components import build_tiny_components
+
+    paths = build_tiny_components(demo.path("models"))
+    demo.where.update({f"tiny {name}": path for name, path in paths.items()})
+
+
+def precompute(demo: Demo) -> None:
+    """Images -> DC-AE latents, captions -> Gemma-2 embeddings, as feature shards."""
+    from training import precompute as pc
+    from training.tiny_components import TINY_RESOLUTION
+
+    models = demo.path("models")
+    pc.main(["--input", str(demo.path("raw")), "--out", str(demo.path("features")),
+             "--vae", str(models / "vae"), "--text-encoder", str(models / "text_encoder"),
+             "--tokenizer", str(models / "tokenizer"), "--resolution", str(TINY_RESOLUTION),
+             "--max-text-tokens", "16", "--batch-size", "16", "--samples-per-shard", "32",
+             "--device", "cpu", "--dtype", "fp32", "--work-dir", str(demo.path("precompute-work"))])
+    demo.where["feature shards"] = demo.path("features")
+
+
+def _train_args(demo: Demo, max_steps: int) -> list[str]:
+    return ["--config", str(TINY_CONFIG), "--set", f"data.path={demo.path('features')}",
+            "--set", f"checkpoint.every_steps={demo.checkpoint_every}", "--set", "checkpoint.keep_last=3",
+            "--set", "ema.decay=0.99", "--set", "log_every=25",
+            # constant LR: part 1 stops early by a smaller --max-steps, which would otherwise
+            # change the cosine horizon (a preempted job keeps its max_steps)
+            "--set", "optim.schedule=constant",
+            "--max-steps", str(max_steps), "--output-dir", str(demo.path("run"))]
+
+
+def train_first_part(demo: Demo) -> None:
+    """Train from scratch and stop part-way, as a preempted job would."""
+    from training import gpu
+
+    started = time.perf_counter()
+    gpu.main([*_train_args(demo, demo.resume_at), "--resume", "none"])
+    demo.where["train seconds (part 1)"] = round(time.perf_counter() - started, 1)
+
+
+def train_resumed(demo: Demo) -> None:
+    """Resume from the newest complete checkpoint and finish."""
+    from training import gpu
+    from training.checkpoint import find_latest
+
+    resume_from = find_latest(demo.path("run") / "checkpoints")
+    started = time.perf_counter()
+    gpu.main([*_train_args(demo, demo.steps), "--resume", "auto"])
+    demo.where["resumed from"] = resume_from
+    demo.where["train seconds (part 2)"] = round(time.perf_counter() - started, 1)
+    demo.where["checkpoints"] = demo.path("run") / "checkpoints"
+    demo.where["metrics (JSON lines)"] = demo.path("run") / "metrics.jsonl"
+    demo.where["TensorBoard"] = demo.path("run") / "tensorboard"
+    records = [json.loads(line) for line in (demo.path("run") / "metrics.jsonl").read_text().splitlines()]
+    demo.where["loss first -> last logged"] = f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"
+
+
+def export(demo: Demo) -> None:
+    """Newest checkpoint -> diffusers SanaTransformer2DModel directory."""
+    from training import export as ex
+
+    ex.main([str(demo.path("run") / "checkpoints"), "--out", str(demo.path("export") / "transformer"),
+             "--overwrite"])
+    demo.where["diffusers transformer"] = demo.path("export") / "transformer"
+
+
+def sample(demo: Demo) -> None:
+    """Load the export into a SanaPipeline with the tiny VAE/text encoder and make an image."""
+    import torch
+    from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import AutoTokenizer, Gemma2Model
+
+    from training.tiny_components import TINY_RESOLUTION
+
+    models = demo.path("models")
+    pipe = SanaPipeline(
+        tokenizer=AutoTokenizer.from_pretrained(models / "tokenizer"),
+        text_encoder=Gemma2Model.from_pretrained(models / "text_encoder"),
+        vae=AutoencoderDC.from_pretrained(models / "vae"),
+        transformer=SanaTransformer2DModel.from_pretrained(demo.path("export") / "transformer"),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    image = pipe("a small red circle on a blue background", height=TINY_RESOLUTION, width=TINY_RESOLUTION,
+                 num_inference_steps=4, guidance_scale=4.5, max_sequence_length=16,
+                 complex_human_instruction=None, generator=torch.Generator().manual_seed(0)).images[0]
+    path = demo.path("export") / "sample.png"
+    image.save(path)
+    demo.where["sample image (random tiny VAE: noise-like)"] = path
+
+
+#: The demo, in order. Append steps here (e.g. bench, report).
+STEPS: list[Callable[[Demo], None]] = [
+    make_raw_data, make_tiny_models, precompute, train_first_part, train_resumed, export, sample,
+]
+
+
+@exits_cleanly
+def main(argv: Sequence[str] | None = None) -> Demo:
+    p = argparse.ArgumentParser(prog="python -m training.demo", description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="demo-output", help="directory for everything the demo makes")
+    p.add_argument("--steps", type=int, default=300, help="tiny-preset training steps (resumes at half)")
+    args = p.parse_args(argv)
+    demo = Demo(out=Path(args.out).resolve(), steps=args.steps, resume_at=max(1, args.steps // 2),
+                checkpoint_every=max(1, args.steps // 6))
+    demo.out.mkdir(parents=True, exist_ok=True)
+    for step in STEPS:
+        started = time.perf_counter()
+        print(f"==> {step.__name__}: {(step.__doc__ or '').splitlines()[0]}", flush=True)
+        step(demo)
+        print(f"    done in {time.perf_counter() - started:.1f} s", flush=True)
+    print("\nWhere everything went:")
+    for what, where in demo.where.items():
+        print(f"  {what:44s} {where}")
+    return demo
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
