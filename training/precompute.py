@@ -23,6 +23,7 @@ that step). The run is thus restartable at any point, by any number of ranks.
 from __future__ import annotations
 
 import argparse
+import collections
 import io
 import json
 import os
@@ -352,7 +353,18 @@ def encode_unit(unit: Unit, models: Models, cfg: PrecomputeConfig, work: Path, p
         progress.update(len(batch))
         batch.clear()
 
-    for key, image, text in pool.map(load, unit_samples(unit, work)):
+    # Bounded read-ahead: the threads download + decode the next batches while the models
+    # run (Executor.map would instead decode the whole unit into memory up front).
+    samples, ahead = unit_samples(unit, work), collections.deque()
+
+    def fill() -> None:
+        while len(ahead) < 4 * cfg.batch_size and (item := next(samples, None)) is not None:
+            ahead.append(pool.submit(load, item))
+
+    fill()
+    while ahead:
+        key, image, text = ahead.popleft().result()
+        fill()
         if image is None:
             skipped.append(key)
             continue
