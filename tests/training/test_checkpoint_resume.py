@@ -175,3 +175,29 @@ def test_mirror_through_faults_then_resume_from_s3_after_losing_the_node(feature
     # The mirror URL is part of this run's config only.
     got["train_state"] = got["train_state"].replace(f'"{url}"', "null")
     assert_bit_identical(got, want)
+
+
+def test_two_ranks_killed_mid_write_resume_bit_identical(features, tmp_path):
+    """torchrun, 2 CPU ranks (gloo, DDP): rank 0 is SIGKILLed inside a checkpoint write while
+    rank 1 waits at the barrier; the resumed job ends bit-identical to an uninterrupted one
+    (every rank restores its own RNG file)."""
+
+    def torchrun(out: Path, **extra_env: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               *command(features, out, "--max-steps", "8")[1:]]
+        return run(cmd, **extra_env)
+
+    ref = torchrun(tmp_path / "ref")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "run"
+    done = torchrun(out, **{FAULT_ENV: "8:before-manifest"})
+    assert done.returncode != 0
+    assert (out / "checkpoints" / ".tmp-step-00000008" / "rng-rank-00001.pt").exists()
+    assert latest_step(out) == 4
+    done = torchrun(out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr
+    for name in ("model.safetensors", "ema.safetensors"):
+        want = load_file(tmp_path / "ref" / "checkpoints" / "step-00000008" / name)
+        got = load_file(out / "checkpoints" / "step-00000008" / name)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
