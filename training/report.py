@@ -1,0 +1,596 @@
+"""``python -m training.report RESULT.json ... --out DIR``: the GPU vs Trainium cost-performance report.
+
+Reads bench results (``training.bench_result.BenchResult``, validated on load), a price
+table (``training/prices.yaml`` or ``--prices FILE``) and optionally the feature index and
+the FSx settings, and writes ``DIR/report.md`` plus PNG charts. Every number and every
+sentence of the recommendation is computed from those inputs; nothing is written in by
+hand, so the report can be regenerated whenever a result or a price changes.
+
+Definitions (the tests check these by hand):
+- cost per million samples = USD/h per instance / (samples/s per instance x 3600) x 1e6
+- time to target = dataset samples x epochs / total samples/s
+- cost to target = time to target (h) x USD/h per instance x nodes
+- scaling efficiency at n nodes = (samples/s at n / n) / (samples/s at n0 / n0), n0 = the
+  fewest nodes measured for that platform
+- FSx need = bytes per sample x total samples/s (every sample is read once per epoch)
+- FSx provisioned (PERSISTENT_2) = storage TiB x throughput per TiB (MB/s/TiB)
+
+Refuses to compare runs that differ in preset, model overrides, resolution, text length
+or precision (``--allow-mismatch`` to override, with a warning in the report), and stops
+with one line naming an instance type that has no price.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from training.bench_result import COMPARABLE_FIELDS, BenchResult
+from training.errors import UserError, exits_cleanly
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PRICES = Path(__file__).with_name("prices.yaml")
+#: chart size in pixels (width, height): figsize x dpi, no tight bbox, so tests can check it
+CHART_PX = (960, 540)
+_DPI = 100
+
+
+# ----- prices ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Price:
+    instance_type: str
+    usd_per_hour: float
+    source: str
+    checked: str
+    verified: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PriceTable:
+    path: Path
+    as_of: str
+    currency: str
+    region: str
+    prices: dict[str, Price]
+
+    @classmethod
+    def load(cls, path: str | Path) -> PriceTable:
+        """Read and validate a prices file; UserError naming the file and the key."""
+        path = Path(path)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except OSError as exc:
+            raise UserError(f"--prices {path}: cannot read ({exc.strerror})") from None
+        except yaml.YAMLError as exc:
+            raise UserError(f"--prices {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("prices"), dict):
+            raise UserError(f"--prices {path}: needs a 'prices' mapping of instance type -> "
+                            "{usd_per_hour, source, checked, verified}")
+        for key in ("as_of", "currency", "region"):
+            if not isinstance(data.get(key), str) or not data[key]:
+                raise UserError(f"--prices {path}: key {key}: missing or not a string")
+        prices = {}
+        for name, entry in data["prices"].items():
+            where = f"--prices {path}: key prices.{name}"
+            if not isinstance(entry, dict):
+                raise UserError(f"{where}: expected a mapping with usd_per_hour, source, checked, verified")
+            usd = entry.get("usd_per_hour")
+            if isinstance(usd, bool) or not isinstance(usd, int | float) or not usd > 0:
+                raise UserError(f"{where}.usd_per_hour: must be a number > 0, got {usd!r}")
+            for key in ("source", "checked"):
+                if not isinstance(entry.get(key), str) or not entry[key]:
+                    raise UserError(f"{where}.{key}: missing; say where the price comes from and when")
+            if not isinstance(entry.get("verified"), bool):
+                raise UserError(f"{where}.verified: must be true or false")
+            prices[str(name)] = Price(instance_type=str(name), usd_per_hour=float(usd), source=entry["source"],
+                                      checked=str(entry["checked"]), verified=entry["verified"])
+        return cls(path=path, as_of=str(data["as_of"]), currency=data["currency"], region=data["region"],
+                   prices=prices)
+
+    def get(self, instance_type: str) -> Price:
+        try:
+            return self.prices[instance_type]
+        except KeyError:
+            raise UserError(f"no price for instance type {instance_type} in {self.path}; add "
+                            f"prices.{instance_type}.usd_per_hour there or pass --prices FILE") from None
+
+
+# ----- the numbers -------------------------------------------------------------------------
+
+def cost_per_million_samples(usd_per_hour: float, samples_per_s_per_instance: float) -> float:
+    return usd_per_hour / (samples_per_s_per_instance * 3600.0) * 1e6
+
+
+def hours_to_target(samples: float, samples_per_s_total: float) -> float:
+    return samples / samples_per_s_total / 3600.0
+
+
+def fsx_provisioned_mbps(storage_gib: float, per_tib_mbps: float) -> float:
+    """PERSISTENT_2 throughput capacity = storage (TiB) x throughput per unit of storage."""
+    return storage_gib / 1024.0 * per_tib_mbps
+
+
+@dataclasses.dataclass(kw_only=True)
+class Run:
+    """One result with its derived numbers."""
+
+    path: Path
+    result: BenchResult
+    price: Price
+
+    @property
+    def platform(self) -> tuple[str, str, str]:
+        r = self.result
+        return (r.backend, r.instance_type, r.accelerator)
+
+    @property
+    def platform_name(self) -> str:
+        r = self.result
+        where = r.instance_type if r.instance_type != "local" else f"local {r.device_kind}"
+        return f"{r.backend} on {where} ({r.accelerator})"
+
+    @property
+    def label(self) -> str:
+        return f"{self.platform_name} x{self.result.nodes}"
+
+    @property
+    def usd_per_hour_total(self) -> float:
+        return self.price.usd_per_hour * self.result.nodes
+
+    @property
+    def cost_per_million(self) -> float:
+        return cost_per_million_samples(self.price.usd_per_hour, self.result.samples_per_s_per_instance)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Options:
+    dataset_samples: int | None = None
+    epochs: float = 1.0
+    allow_mismatch: bool = False
+    bytes_per_sample: float | None = None  # from --features-index
+    features_index: str | None = None
+    fsx_mbps: float | None = None  # provisioned FSx throughput
+    fsx_source: str = ""
+
+
+def check_comparable(runs: Sequence[Run], allow: bool) -> list[str]:
+    """Refuse (UserError naming the field) unless every run matches the first on
+    COMPARABLE_FIELDS; with ``allow`` return the differences as warnings instead."""
+    warnings = []
+    first = runs[0]
+    for run in runs[1:]:
+        for name in COMPARABLE_FIELDS:
+            a, b = getattr(first.result, name), getattr(run.result, name)
+            if a != b:
+                msg = f"{run.path}: field {name} is {b!r} but {first.path} has {a!r}"
+                if not allow:
+                    raise UserError(f"{msg}; compare like with like, or pass --allow-mismatch")
+                warnings.append(msg)
+    return warnings
+
+
+def scaling_table(runs: Sequence[Run]) -> dict[tuple[str, str, str], list[tuple[int, float, float]]]:
+    """platform -> [(nodes, samples/s total, efficiency)] for platforms measured at >= 2 node counts.
+    Repeats at one node count: the fastest run counts."""
+    best: dict[tuple[str, str, str], dict[int, float]] = {}
+    for run in runs:
+        per = best.setdefault(run.platform, {})
+        n = run.result.nodes
+        per[n] = max(per.get(n, 0.0), run.result.samples_per_s_total)
+    out = {}
+    for platform, per in best.items():
+        if len(per) < 2:
+            continue
+        n0 = min(per)
+        base = per[n0] / n0
+        out[platform] = [(n, per[n], (per[n] / n) / base) for n in sorted(per)]
+    return out
+
+
+def reference_runs(runs: Sequence[Run]) -> list[Run]:
+    """One run per platform for the head-to-head: the fewest nodes, fastest among repeats."""
+    chosen: dict[tuple[str, str, str], Run] = {}
+    for run in runs:
+        cur = chosen.get(run.platform)
+        key = (run.result.nodes, -run.result.samples_per_s_total)
+        if cur is None or key < (cur.result.nodes, -cur.result.samples_per_s_total):
+            chosen[run.platform] = run
+    return sorted(chosen.values(), key=lambda r: r.cost_per_million)
+
+
+def target_samples(opts: Options) -> tuple[float, str]:
+    if opts.dataset_samples:
+        return opts.dataset_samples * opts.epochs, (f"{opts.dataset_samples:,} samples x {opts.epochs:g} "
+                                                    f"epoch{'s' if opts.epochs != 1 else ''}")
+    return 1e6, "1,000,000 samples (give --dataset-samples and --epochs for your target)"
+
+
+def recommendation(runs: Sequence[Run], opts: Options) -> str:
+    """The recommendation paragraph, every clause computed from the runs."""
+    refs = reference_runs(runs)
+    cpu = any(r.result.is_cpu for r in runs)
+    prefix = ("These are CPU figures from a local run, not accelerator figures: the paragraph shows "
+              "how the recommendation is computed and says nothing about GPUs or Trainium. ") if cpu else ""
+    if len(refs) < 2:
+        only = refs[0]
+        return (prefix + f"Only one platform was measured ({only.platform_name}: "
+                f"${only.cost_per_million:,.2f} per million samples); run the bench on the other "
+                "partition to get a comparison.")
+    samples, what = target_samples(opts)
+    cheap, runner = refs[0], refs[1]
+    saving = (runner.cost_per_million - cheap.cost_per_million) / runner.cost_per_million
+    parts = [f"{cheap.platform_name} is the cheaper platform: ${cheap.cost_per_million:,.2f} per million "
+             f"training samples against ${runner.cost_per_million:,.2f} on {runner.platform_name}, "
+             f"{saving:.1%} less (at {cheap.result.nodes} and {runner.result.nodes} node"
+             f"{'s' if runner.result.nodes != 1 else ''}, on-demand prices from {cheap.price.checked} and "
+             f"{runner.price.checked})."]
+    fast = max(refs, key=lambda r: r.result.samples_per_s_per_instance)
+    t_cheap = hours_to_target(samples, cheap.result.samples_per_s_total)
+    c_cheap = t_cheap * cheap.usd_per_hour_total
+    if fast is cheap:
+        ratio = cheap.result.samples_per_s_per_instance / runner.result.samples_per_s_per_instance
+        parts.append(f"It is also faster per instance ({ratio:.2f}x the samples/s of {runner.platform_name}), "
+                     f"so there is no trade-off to weigh: for {what} it takes {t_cheap:,.2f} h and "
+                     f"${c_cheap:,.2f}.")
+    else:
+        t_fast = hours_to_target(samples, fast.result.samples_per_s_total)
+        c_fast = t_fast * fast.usd_per_hour_total
+        ratio = fast.result.samples_per_s_per_instance / cheap.result.samples_per_s_per_instance
+        parts.append(f"{fast.platform_name} is {ratio:.2f}x faster per instance: for {what} it needs "
+                     f"{t_fast:,.2f} h and ${c_fast:,.2f} against {t_cheap:,.2f} h and ${c_cheap:,.2f}.")
+        saved_h = t_cheap - t_fast
+        extra = c_fast - c_cheap
+        if saved_h > 0:
+            parts.append(f"The crossover is the value of time: the faster platform pays off only when "
+                         f"finishing one hour earlier is worth more than ${extra / saved_h:,.2f} "
+                         f"(${extra:,.2f} more for {saved_h:,.2f} h less).")
+        nodes_needed = math.ceil(fast.result.samples_per_s_total / cheap.result.samples_per_s_per_instance)
+        parts.append(f"Matching {fast.result.nodes} {fast.result.instance_type} node"
+                     f"{'s' if fast.result.nodes != 1 else ''} takes about {nodes_needed} "
+                     f"{cheap.result.instance_type} nodes if scaling were linear.")
+    scaling = scaling_table(runs)
+    if scaling:
+        parts.append(_scaling_sentence(runs, scaling))
+    else:
+        parts.append("No platform was measured at more than one node count, so the scaling "
+                     "crossover is unknown; bench 2+ node counts to find where efficiency changes the order.")
+    return prefix + " ".join(parts)
+
+
+def _scaling_sentence(runs: Sequence[Run], scaling: dict) -> str:
+    price = {r.platform: r.price.usd_per_hour for r in runs}
+    name = {r.platform: r.platform_name for r in runs}
+    bits = []
+    for platform, points in scaling.items():
+        n, _, eff = points[-1]
+        bits.append(f"{name[platform]} keeps {eff:.0%} scaling efficiency at {n} nodes")
+    # Cost ranking at each node count measured for every platform.
+    counts = set.intersection(*({n for n, _, _ in pts} for pts in scaling.values())) if len(scaling) > 1 else set()
+    order = []
+    for n in sorted(counts):
+        costs = {p: cost_per_million_samples(price[p], sps / n) for p, pts in scaling.items()
+                 for m, sps, _ in pts if m == n}
+        order.append((n, min(costs, key=costs.get)))
+    flips = [(a, b) for a, b in zip(order, order[1:], strict=False) if a[1] != b[1]]
+    text = "; ".join(bits) + "."
+    if flips:
+        (n0, p0), (n1, p1) = flips[0]
+        text += (f" The cost order flips between {n0} and {n1} nodes: {name[p0]} is cheaper at {n0}, "
+                 f"{name[p1]} at {n1}.")
+    elif len(order) > 1:
+        text += f" The cost order does not change between {order[0][0]} and {order[-1][0]} nodes."
+    return text
+
+
+# ----- charts ------------------------------------------------------------------------------
+
+def _figure(ncols: int = 1):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(CHART_PX[0] / _DPI, CHART_PX[1] / _DPI), dpi=_DPI)
+    return plt, fig, axes
+
+
+def _save(plt, fig, path: Path, cpu: bool) -> Path:
+    if cpu:
+        fig.text(0.5, 0.01, "CPU figures from a local run - not accelerator figures", ha="center",
+                 fontsize=9, color="firebrick")
+    fig.subplots_adjust(bottom=0.3, top=0.88, wspace=0.35)
+    fig.savefig(path, dpi=_DPI)
+    plt.close(fig)
+    return path
+
+
+def _bars(ax, labels: list[str], values: list[float], title: str, ylabel: str, fmt: str) -> None:
+    xs = range(len(labels))
+    bars = ax.bar(xs, values, color=["tab:green" if "gpu" in lab else "tab:orange" for lab in labels])
+    ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel, fontsize=9)
+    for bar, v in zip(bars, values, strict=True):
+        ax.annotate(fmt.format(v), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                    va="bottom", fontsize=8)
+
+
+def make_charts(runs: Sequence[Run], out: Path) -> dict[str, Path]:
+    cpu = any(r.result.is_cpu for r in runs)
+    labels = [r.label for r in runs]
+    charts = {}
+    plt, fig, (a1, a2) = _figure(2)
+    _bars(a1, labels, [r.result.samples_per_s_per_accelerator for r in runs], "per accelerator", "samples/s",
+          "{:.3g}")
+    _bars(a2, labels, [r.result.samples_per_s_per_instance for r in runs], "per instance", "samples/s", "{:.3g}")
+    fig.suptitle("Training throughput")
+    charts["throughput"] = _save(plt, fig, out / "throughput.png", cpu)
+
+    plt, fig, ax = _figure()
+    _bars(ax, labels, [r.cost_per_million for r in runs], "Cost per million training samples (on-demand)",
+          "USD", "${:,.2f}")
+    charts["cost"] = _save(plt, fig, out / "cost.png", cpu)
+
+    with_mfu = [r for r in runs if r.result.mfu is not None]
+    if with_mfu:
+        plt, fig, ax = _figure()
+        _bars(ax, [r.label for r in with_mfu], [100 * r.result.mfu for r in with_mfu],
+              "Model FLOPs utilisation", "% of dense peak", "{:.1f}%")
+        charts["mfu"] = _save(plt, fig, out / "mfu.png", cpu)
+
+    scaling = scaling_table(runs)
+    if scaling:
+        name = {r.platform: r.platform_name for r in runs}
+        plt, fig, (a1, a2) = _figure(2)
+        for platform, points in scaling.items():
+            ns = [n for n, _, _ in points]
+            a1.plot(ns, [s for _, s, _ in points], marker="o", label=name[platform])
+            a2.plot(ns, [100 * e for _, _, e in points], marker="o", label=name[platform])
+        a1.set(title="Total samples/s", xlabel="nodes")
+        a2.set(title="Scaling efficiency (%)", xlabel="nodes")
+        a1.legend(fontsize=7)
+        charts["scaling"] = _save(plt, fig, out / "scaling.png", cpu)
+    return charts
+
+
+# ----- markdown ----------------------------------------------------------------------------
+
+def _gib(n: int | None) -> str:
+    return f"{n / 2**30:.2f}" if n is not None else "n/a"
+
+
+def _opt(v: Any, fmt: str) -> str:
+    return fmt.format(v) if v is not None else "n/a"
+
+
+def _pct(fraction: float) -> str:
+    """Percent with 3 significant digits (a CPU run uses 0.0177% of FSx, not "0.0%")."""
+    return f"{100 * fraction:.3g}%"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render(runs: Sequence[Run], prices: PriceTable, opts: Options, charts: dict[str, Path],
+           warnings: Sequence[str]) -> str:
+    cpu = any(r.result.is_cpu for r in runs)
+    first = runs[0].result
+    samples, what = target_samples(opts)
+    out: list[str] = ["# Sana training: GPU vs Trainium cost-performance report", ""]
+    if cpu:
+        out += ["> **CPU figures, not accelerator figures.** At least one result below was measured on a "
+                "local CPU (tests / `make demo`). The numbers exercise the report; they say nothing about "
+                "GPU or Trainium performance.", ""]
+    out += [f"Generated {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')} by "
+            "`python -m training.report` from:", ""]
+    out += [f"- `{r.path}` ({r.result.timestamp})" for r in runs]
+    unverified = sorted({r.price.instance_type for r in runs if not r.price.verified})
+    out += ["", f"Prices: `{prices.path}` (on-demand list prices as of {prices.as_of}, {prices.currency}, "
+            f"{prices.region})." + (f" **Unverified entries used: {', '.join(unverified)}** - check them "
+                                    "against the source before deciding." if unverified else "")]
+    out += ["", f"Compared at: preset `{first.model_preset}`"
+            + (f" with overrides `{json.dumps(first.model_overrides)}`" if first.model_overrides else "")
+            + f", {first.resolution_px} px (latent {first.latent_hw[0]}x{first.latent_hw[1]}), "
+            f"{first.text_tokens} text tokens, precision `{first.precision}`."]
+    if warnings:
+        out += ["", "**Mismatched runs compared (--allow-mismatch):**", ""] + [f"- {w}" for w in warnings]
+
+    out += ["", "## Recommendation", "", recommendation(runs, opts)]
+
+    out += ["", "## Runs", "", _table(
+        ["run", "nodes x accel/node", "global batch (per device)", "steps timed (warm-up)", "step p50 / p90 s",
+         "data"],
+        [[r.label, f"{r.result.nodes} x {r.result.accelerators_per_node}",
+          f"{r.result.global_batch} ({r.result.per_device_batch})",
+          f"{r.result.steps_timed} ({r.result.warmup_steps})",
+          f"{r.result.step_time_p50_s:.4g} / {r.result.step_time_p90_s:.4g}", r.result.data] for r in runs])]
+
+    out += ["", "## Throughput", "", _table(
+        ["run", "samples/s per accelerator", "samples/s per instance", "samples/s total"],
+        [[r.label, f"{r.result.samples_per_s_per_accelerator:,.3f}", f"{r.result.samples_per_s_per_instance:,.3f}",
+          f"{r.result.samples_per_s_total:,.3f}"] for r in runs]), "", "![throughput](throughput.png)"]
+
+    out += ["", "## Cost", "", _table(
+        ["run", "USD/h per instance", "price checked", "cost per million samples"],
+        [[r.label, f"${r.price.usd_per_hour:,.3f}", r.price.checked + ("" if r.price.verified else " (unverified)"),
+          f"${r.cost_per_million:,.2f}"] for r in runs]), "", "![cost](cost.png)"]
+
+    out += ["", "## Time and cost to target", "", f"Target: {what}.", "", _table(
+        ["run", "hours", "USD"],
+        [[r.label, f"{hours_to_target(samples, r.result.samples_per_s_total):,.2f}",
+          f"${hours_to_target(samples, r.result.samples_per_s_total) * r.usd_per_hour_total:,.2f}"]
+         for r in runs])]
+
+    out += ["", "## Scaling efficiency", ""]
+    scaling = scaling_table(runs)
+    if scaling:
+        name = {r.platform: r.platform_name for r in runs}
+        rows = [[name[p], str(n), f"{sps:,.3f}", f"{eff:.1%}"] for p, pts in scaling.items() for n, sps, eff in pts]
+        out += [_table(["platform", "nodes", "samples/s total", "efficiency"], rows), "", "![scaling](scaling.png)"]
+    else:
+        out += ["Each platform was measured at one node count only; bench the same config on 2, 4, ... "
+                "nodes (runbooks/compare.md) to fill this section."]
+
+    out += ["", "## Model FLOPs utilisation", "",
+            f"Analytic FLOP model (`training/flops.py`): {first.train_flops_per_sample / 1e12:.4g} TFLOP per "
+            "training sample (forward + backward = 3x forward), divided by each accelerator's dense peak.", "",
+            _table(["run", "accelerator", "peak TFLOP/s", "MFU", "peak source"],
+                   [[r.label, r.result.accelerator, _opt(r.result.peak_tflops_per_accelerator, "{:g}"),
+                     _opt(r.result.mfu, "{:.1%}"), r.result.peak_source or "no published peak (CPU): MFU n/a"]
+                    for r in runs])]
+    if "mfu" in charts:
+        out += ["", "![mfu](mfu.png)"]
+
+    out += ["", "## Memory and compilation", "", _table(
+        ["run", "peak memory GiB (rank 0)", "compiles", "compile s", "compiles in timed steps"],
+        [[r.label, _gib(r.result.peak_memory_bytes), _opt(r.result.compile_count, "{}"),
+          _opt(r.result.compile_seconds, "{:.1f}"), _opt(r.result.compiles_in_timed_steps, "{}")] for r in runs])]
+
+    out += ["", "## Storage capacity note (FSx for Lustre)", "", *capacity_lines(runs, opts)]
+    notes = [f"- {r.label}: {r.result.notes}" for r in runs if r.result.notes]
+    if notes:
+        out += ["", "## Notes from the runs", "", *notes]
+    out += ["", "## Versions", "", _table(["run", "versions", "command"],
+                                          [[r.label, ", ".join(f"{k} {v}" for k, v in r.result.versions.items()),
+                                            f"`{r.result.command}`"] for r in runs]), ""]
+    return "\n".join(out)
+
+
+def capacity_lines(runs: Sequence[Run], opts: Options) -> list[str]:
+    lines = ["Reading every sample once per epoch, a run needs bytes per sample x total samples/s "
+             "from FSx. The first epoch also lazy-loads from S3 through the data repository association, "
+             "which is slower than this steady state.", ""]
+    rows = []
+    for r in runs:
+        bps = opts.bytes_per_sample or r.result.bytes_per_sample
+        src = (f"index {opts.features_index}" if opts.bytes_per_sample
+               else ("bench's synthetic features" if r.result.data == "synthetic" else "bench's features"))
+        if bps is None:
+            rows.append([r.label, "n/a", "n/a", "n/a", "n/a"])
+            continue
+        need = bps * r.result.samples_per_s_total / 1e6
+        share = _pct(need / opts.fsx_mbps) if opts.fsx_mbps else "n/a"
+        rows.append([r.label, f"{bps:,.0f} ({src})", f"{r.result.samples_per_s_per_instance:,.3f} x "
+                     f"{r.result.nodes}", f"{need:,.3f}", share])
+    lines.append(_table(["run", "bytes per sample", "samples/s per node x nodes", "MB/s needed",
+                         "share of provisioned"], rows))
+    lines.append("")
+    if opts.fsx_mbps:
+        lines.append(f"Provisioned: {opts.fsx_mbps:,.1f} MB/s ({opts.fsx_source}).")
+        worst = max((opts.bytes_per_sample or r.result.bytes_per_sample or 0) * r.result.samples_per_s_total / 1e6
+                    for r in runs)
+        if worst > opts.fsx_mbps:
+            lines.append(f"**The fastest run needs {worst:,.1f} MB/s, more than provisioned: raise "
+                         "fsxThroughputPerTiB or fsxStorageGiB in cdk.json, or training will wait on I/O.**")
+        else:
+            lines.append(f"The most demanding run uses {_pct(worst / opts.fsx_mbps)} of it.")
+    else:
+        lines.append("Provisioned FSx throughput unknown: pass --fsx-throughput-mbps, or run from the repo "
+                     "(cdk.json context fsxStorageGiB x fsxThroughputPerTiB).")
+    if not opts.bytes_per_sample:
+        lines.append("Bytes per sample come from the bench's own features; pass --features-index with the real "
+                     "feature directory for the real caption lengths.")
+    return lines
+
+
+# ----- entry point -------------------------------------------------------------------------
+
+def fsx_from_cdk(path: Path) -> tuple[float, str] | None:
+    """Provisioned MB/s from cdk.json context (fsxStorageGiB x fsxThroughputPerTiB), if present."""
+    try:
+        context = json.loads(path.read_text()).get("context", {})
+    except (OSError, ValueError):
+        return None
+    gib, per = context.get("fsxStorageGiB"), context.get("fsxThroughputPerTiB")
+    if not isinstance(gib, int | float) or not isinstance(per, int | float):
+        return None
+    return (fsx_provisioned_mbps(gib, per),
+            f"{path.name} context: fsxStorageGiB {gib} x fsxThroughputPerTiB {per} MB/s/TiB")
+
+
+def bytes_per_sample_from_index(source: str) -> float:
+    from training.data import FeatureIndex
+
+    src = source[: -len("/index.json")] if source.endswith("/index.json") else source
+    index = FeatureIndex.load(src)
+    if not index.bytes_per_sample:
+        raise UserError(f"--features-index {source}: index has no bytes_per_sample")
+    return float(index.bytes_per_sample)
+
+
+def build(result_paths: Sequence[str | Path], out: str | Path, *, prices_path: str | Path = DEFAULT_PRICES,
+          opts: Options | None = None) -> Path:
+    """Load, check, compute, draw and write ``out/report.md``; returns its path."""
+    opts = opts or Options()
+    if not result_paths:
+        raise UserError("report: give at least one bench result JSON")
+    prices = PriceTable.load(prices_path)
+    runs = []
+    for p in result_paths:
+        result = BenchResult.load(p)
+        runs.append(Run(path=Path(p), result=result, price=prices.get(result.instance_type)))
+    warnings = check_comparable(runs, opts.allow_mismatch)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    charts = make_charts(runs, out)
+    report = out / "report.md"
+    report.write_text(render(runs, prices, opts, charts, warnings))
+    return report
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training.report", description=__doc__.split("\n")[0])
+    p.add_argument("results", nargs="+", metavar="RESULT.json", help="bench results (python -m training.bench)")
+    p.add_argument("--out", required=True, help="output directory (report.md + PNG charts)")
+    p.add_argument("--prices", default=str(DEFAULT_PRICES), help="prices YAML (default training/prices.yaml)")
+    p.add_argument("--dataset-samples", type=int, help="dataset size for time/cost to target")
+    p.add_argument("--epochs", type=float, default=1.0, help="epochs for time/cost to target (default 1)")
+    p.add_argument("--allow-mismatch", action="store_true",
+                   help="compare runs that differ in preset/resolution/text tokens/precision")
+    p.add_argument("--features-index", help="feature directory or its index.json (local or s3://): bytes/sample")
+    p.add_argument("--fsx-throughput-mbps", type=float, help="provisioned FSx throughput, MB/s (overrides cdk.json)")
+    p.add_argument("--fsx-storage-gib", type=float, help="FSx storage, GiB (with --fsx-throughput-per-tib)")
+    p.add_argument("--fsx-throughput-per-tib", type=float, help="FSx MB/s per TiB (125/250/500/1000)")
+    p.add_argument("--cdk-json", default=str(REPO / "cdk.json"), help="where to read FSx defaults from")
+    return p
+
+
+@exits_cleanly
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.dataset_samples is not None and args.dataset_samples < 1:
+        raise UserError("--dataset-samples: must be >= 1")
+    if not args.epochs > 0:
+        raise UserError("--epochs: must be > 0")
+    opts = Options(dataset_samples=args.dataset_samples, epochs=args.epochs, allow_mismatch=args.allow_mismatch)
+    if args.features_index:
+        opts.bytes_per_sample = bytes_per_sample_from_index(args.features_index)
+        opts.features_index = args.features_index
+    if args.fsx_throughput_mbps:
+        opts.fsx_mbps, opts.fsx_source = args.fsx_throughput_mbps, "--fsx-throughput-mbps"
+    elif args.fsx_storage_gib or args.fsx_throughput_per_tib:
+        if not (args.fsx_storage_gib and args.fsx_throughput_per_tib):
+            raise UserError("--fsx-storage-gib and --fsx-throughput-per-tib: give both (or --fsx-throughput-mbps)")
+        opts.fsx_mbps = fsx_provisioned_mbps(args.fsx_storage_gib, args.fsx_throughput_per_tib)
+        opts.fsx_source = (f"--fsx-storage-gib {args.fsx_storage_gib:g} x --fsx-throughput-per-tib "
+                           f"{args.fsx_throughput_per_tib:g} MB/s/TiB")
+    elif (found := fsx_from_cdk(Path(args.cdk_json))) is not None:
+        opts.fsx_mbps, opts.fsx_source = found
+    report = build(args.results, args.out, prices_path=args.prices, opts=opts)
+    print(f"report: {report} (charts in {report.parent})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
