@@ -108,6 +108,8 @@ def test_training_modules_and_flags_exist(doc, command):
 @pytest.mark.parametrize(("doc", "command"), _commands("sbatch"))
 def test_job_scripts_exist(doc, command):
     scripts = [t for t in _tokens(command) if t.endswith(".sbatch")]
+    if not scripts and "..." in command:
+        pytest.skip(f"{doc}: `{command}` is an abbreviation, not a command")
     assert scripts, f"{doc}: `{command}` submits no .sbatch script"
     for script in scripts:
         assert (REPO / script).exists() or (REPO / "training" / "slurm" / Path(script).name).exists(), \
@@ -117,7 +119,8 @@ def test_job_scripts_exist(doc, command):
 def _doc_links() -> list[tuple[str, str]]:
     links = []
     for doc in DOCS:
-        for target in LINK.findall(FENCE.sub("", doc.read_text())):
+        prose = INLINE.sub("", FENCE.sub("", doc.read_text()))
+        for target in LINK.findall(prose):
             if not re.match(r"^[a-z]+:", target) and not target.startswith("#"):
                 links.append((_rel(doc), target))
     return links
@@ -137,6 +140,8 @@ def _platform_keys() -> set[str]:
 
 @pytest.mark.parametrize(("doc", "command"), _commands("cdk"))
 def test_cdk_context_overrides_are_platform_keys(doc, command):
+    if "<" in command:
+        pytest.skip(f"{doc}: `{command}` is a template, not a command")
     keys = re.findall(r"(?:-c|--context)\s+([A-Za-z][\w]*)=", command)
     for key in keys:
         assert key in _platform_keys(), f"{doc}: `{command}` sets context key {key!r}, not in PlatformConfig"
@@ -145,7 +150,8 @@ def test_cdk_context_overrides_are_platform_keys(doc, command):
 def _configure_table_keys() -> set[str]:
     """Keys in the first column of configure.md's tables (`key` in backticks)."""
     text = (REPO / "runbooks" / "configure.md").read_text()
-    return set(re.findall(r"^\|\s*`([A-Za-z]\w*)`\s*\|", text, re.M))
+    first_cells = re.findall(r"^\|([^|\n]*)\|", text, re.M)
+    return {key for cell in first_cells for key in re.findall(r"`([A-Za-z]\w*)`", cell)}
 
 
 def test_configure_md_documents_every_platform_key():
