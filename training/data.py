@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import fcntl
 import hashlib
 import io
 import json
@@ -301,13 +302,21 @@ class FeatureIndex:
         return root / "features" / url.bucket / url.key
 
     def fetch(self, name: str, cache_dir: str | Path | None = None, verify_sha: str | None = None) -> Path:
-        """Local path of file ``name`` of this directory (downloaded into the cache first for s3://)."""
+        """Local path of file ``name`` of this directory. For s3:// it is downloaded into the
+        cache first (kept if its sha256 matches); a file lock makes the ranks of a node that
+        share the cache download it once."""
         if not self.is_s3:
             return Path(self.source) / name
         target = Path(cache_dir or self.default_cache_dir()) / name
-        if target.exists() and (verify_sha is None or _sha256(target) == verify_sha):
-            return target
-        s3.download_file(s3.parse_s3_url(self.source).join(name), target, s3=s3.client(self.endpoint_url))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.with_name(f".{name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if target.exists() and (verify_sha is None or _sha256(target) == verify_sha):
+                return target
+            url = s3.parse_s3_url(self.source).join(name)
+            s3.download_file(url, target, s3=s3.client(self.endpoint_url))
+            if verify_sha is not None and (digest := _sha256(target)) != verify_sha:
+                raise _corrupt(str(url), f"sha256 {digest[:12]}... != index {verify_sha[:12]}...")
         return target
 
 
@@ -352,15 +361,20 @@ class _Decoder:
         for s in index.shards:
             self.starts.append(self.starts[-1] + s.samples)
         self._open: dict[int, _Shard] = {}
-        self._lock = threading.Lock()
+        self._locks = [threading.Lock() for _ in index.shards]
 
     def shard(self, i: int) -> _Shard:
-        with self._lock:
-            if i not in self._open:
-                info = self.index.shards[i]
-                path = self.index.fetch(info.name, self.cache_dir, verify_sha=info.sha256 if self.verify else None)
-                self._open[i] = _Shard(path, info, self.verify)
-            return self._open[i]
+        opened = self._open.get(i)
+        if opened is None:
+            with self._locks[i]:  # per shard: prefetch_all opens many at once
+                opened = self._open.get(i)
+                if opened is None:
+                    info = self.index.shards[i]
+                    sha = info.sha256 if self.verify else None
+                    path = self.index.fetch(info.name, self.cache_dir, verify_sha=sha)
+                    # fetch already checked a downloaded shard; a local one is checked here
+                    opened = self._open[i] = _Shard(path, info, self.verify and not self.index.is_s3)
+        return opened
 
     def prefetch_all(self, workers: int = 8) -> None:
         """Download (s3) / verify every shard now, in parallel, so training never waits on it."""

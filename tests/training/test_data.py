@@ -260,7 +260,7 @@ def test_s3_source_matches_local(features: Path, s3_bucket: str, tmp_path: Path)
     url = f"s3://{s3_bucket}/features/v1"
     local = FeatureLoader(features, batch_size=4, seed=9, prefetch=0)
     remote = FeatureLoader(url, batch_size=4, seed=9, cache_dir=tmp_path / "cache")
-    assert remote.index.num_samples == 50 and sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
+    assert remote.index.num_samples == 50 and sorted(p.name for p in (tmp_path / "cache").glob("*.tar")) == [
         "shard-00000.tar", "shard-00001.tar", "shard-00002.tar", "shard-00003.tar"]
     for _ in range(5):
         a, b = next(local), next(remote)
