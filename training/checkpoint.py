@@ -300,7 +300,7 @@ class Checkpointer:
             for stale in self.root.glob(".tmp-*"):
                 # Left by a run killed mid-write; never a candidate for resume.
                 shutil.rmtree(stale, ignore_errors=True)
-            if cfg.s3_mirror:
+            if cfg.s3_mirror and cfg.enabled:
                 from training.mirror import S3Mirror
 
                 self.mirror = S3Mirror(cfg.s3_mirror, keep_last=cfg.s3_keep_last)
@@ -474,6 +474,9 @@ class Checkpointer:
         if loader is not None and meta.get("dataloader") is not None:
             loader.load_state_dict(meta["dataloader"])
         state.load_state_dict(meta["train_state"])
+        if backend.is_main and (changes := _config_changes(meta.get("config") or {}, self.run_config)):
+            # Legitimate (a longer run, a new LR), but then the run is no longer the one saved.
+            log.warning("resuming with a changed config: %s", "; ".join(changes[:20]))
         rng_path = path / _rng_file(backend.rank)
         if not rng_path.exists():
             # A different world size than the saving run: continuing is fine, bit-identity is not.
@@ -540,6 +543,23 @@ def _join_tensors(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] |
     out.update({key: tensors[prefix + key] for key in meta["tensors"]})
     out.update({key: _join_tensors(tensors, sub, prefix + key + "/") for key, sub in meta["nested"].items()})
     return out
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``key: old -> new`` for each run-config value that differs (where to resume from aside)."""
+    old, new = _flatten(saved), _flatten(_jsonable(current))
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
+            if key != "checkpoint.resume" and old.get(key) != new.get(key)]
 
 
 def _model_config(model: nn.Module) -> dict[str, Any] | None:

@@ -279,3 +279,17 @@ def test_fault_hook_is_inert_without_the_env_var(features, tmp_path, monkeypatch
     assert run.save() is not None
     run.close()
     assert os.environ["SANA_CHECKPOINT_FAULT"] == "999:after-model"
+
+
+def test_resume_with_a_changed_config_says_what_changed(features, tmp_path, caplog):
+    run = Run(features, tmp_path / "i")
+    run.steps(1)
+    run.save()
+    run.close()
+    run = Run(features, tmp_path / "i")
+    run.ckpt.run_config = {"note": "changed", "checkpoint": {"resume": "auto"}}
+    with caplog.at_level("WARNING", logger="training.checkpoint"):
+        assert run.restore() is not None
+    assert "resuming with a changed config: note: 'test' -> 'changed'" in caplog.text
+    assert "checkpoint.resume" not in caplog.text
+    run.close()
