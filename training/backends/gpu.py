@@ -100,6 +100,7 @@ class GpuBackend(Backend):
         self._ddp: nn.Module | None = None
         self._fsdp_root: nn.Module | None = None
         self._owns_group = False
+        self._last_step_event: torch.cuda.Event | None = None
 
     # ----- lifecycle ---------------------------------------------------------
     def init(self) -> None:
@@ -109,9 +110,8 @@ class GpuBackend(Backend):
         if torch.cuda.is_available():
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
-            if self.cfg.tf32:
-                torch.backends.cuda.matmul.allow_tf32 = True
-                torch.backends.cudnn.allow_tf32 = True
+            # "high" = TF32 tensor cores for fp32 matmuls (cuDNN convs use TF32 by default).
+            torch.set_float32_matmul_precision("high" if self.cfg.tf32 else "highest")
         elif "OMP_NUM_THREADS" not in os.environ:
             # CPU runs are tests and the demo on tiny models: intra-op threads cost far more
             # than they give there (measured 15x slower with 2 threads on 2 busy cores).
@@ -196,10 +196,28 @@ class GpuBackend(Backend):
         return contextlib.nullcontext()
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        # NOTE: no read-ahead of the loader here: its state_dict is "position after the last
+        # batch returned", and a checkpoint must not skip a batch the step never saw.
         cuda = self.device.type == "cuda"
         for batch in batches:
             yield {k: (v.pin_memory().to(self.device, non_blocking=True) if cuda else v)
                    for k, v in batch.items()}
+
+    def sync(self) -> None:
+        """Let the host run at most one optimizer step ahead of the GPU.
+
+        Eager CUDA queues kernels asynchronously; without a bound the host races several
+        steps ahead and only stalls at the next loss read, so per-step host times (bench's
+        p50/p90) would be meaningless. Waiting for the *previous* step's event keeps the
+        queue one step deep: the GPU never idles and step times equal device step times.
+        """
+        if self.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        if self._last_step_event is not None:
+            self._last_step_event.synchronize()
+        self._last_step_event = event
 
     def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
                       ) -> torch.Tensor:
