@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import collections
 import fcntl
 import hashlib
 import io
@@ -53,6 +54,7 @@ FORMAT = "sana-features/1"
 INDEX = "index.json"
 NULL_CAPTION = "null_caption.safetensors"
 _DTYPE = torch.bfloat16
+MAX_MAPPED_SHARDS = 128
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
@@ -346,10 +348,13 @@ class _Shard:
             raise _corrupt(self.label, f"bad tar: {exc}") from None
         if len(self.members) != info.samples:
             raise _corrupt(self.label, f"{len(self.members)} samples, index says {info.samples}")
-        with open(path, "rb") as f:
+        self.path = path
+
+    def map(self) -> mmap.mmap:
+        with open(self.path, "rb") as f:
             # ACCESS_COPY: a private writable view, so torch.frombuffer needs no copy and
             # does not warn about read-only memory; nothing is ever written back.
-            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
 
 class _Decoder:
@@ -362,6 +367,22 @@ class _Decoder:
             self.starts.append(self.starts[-1] + s.samples)
         self._open: dict[int, _Shard] = {}
         self._locks = [threading.Lock() for _ in index.shards]
+        # NOTE: each mmap keeps a dup of its file descriptor (CPython < 3.13), so only the
+        # most recently used shards stay mapped: thousands of shards would exhaust
+        # `ulimit -n`. Reopening keeps the parsed member table; on Lustre it is one open.
+        self._maps: collections.OrderedDict[int, mmap.mmap] = collections.OrderedDict()
+        self._maps_lock = threading.Lock()
+
+    def mapped(self, i: int) -> mmap.mmap:
+        with self._maps_lock:
+            mm = self._maps.get(i)
+            if mm is None:
+                mm = self._maps[i] = self.shard(i).map()
+                if len(self._maps) > MAX_MAPPED_SHARDS:
+                    self._maps.popitem(last=False)  # closed once no tensor views it any more
+            else:
+                self._maps.move_to_end(i)
+            return mm
 
     def shard(self, i: int) -> _Shard:
         opened = self._open.get(i)
@@ -381,11 +402,11 @@ class _Decoder:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             list(pool.map(self.shard, range(len(self.index.shards))))
 
-    def _tensors(self, shard: _Shard, member: int) -> dict[str, torch.Tensor]:
+    def _tensors(self, shard: _Shard, mm: mmap.mmap, member: int) -> dict[str, torch.Tensor]:
         name, off, size = shard.members[member]
         try:
-            hlen = int.from_bytes(shard.mm[off:off + 8], "little")
-            header = json.loads(bytes(shard.mm[off + 8:off + 8 + hlen]))
+            hlen = int.from_bytes(mm[off:off + 8], "little")
+            header = json.loads(bytes(mm[off + 8:off + 8 + hlen]))
             base = off + 8 + hlen
             out = {}
             for key in ("latents", "text"):
@@ -395,7 +416,7 @@ class _Decoder:
                 if base + end > off + size:
                     raise ValueError("tensor data runs past the member")
                 count = (end - begin) // dtype.itemsize
-                out[key] = torch.frombuffer(shard.mm, dtype=dtype, count=count, offset=base + begin).view(meta["shape"])
+                out[key] = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + begin).view(meta["shape"])
             return out
         except (ValueError, KeyError, TypeError, RuntimeError) as exc:
             raise _corrupt(shard.label, f"member {name}: {exc}") from None
@@ -415,7 +436,7 @@ class _Decoder:
         for row, g in enumerate(indices):
             s = bisect.bisect_right(self.starts, g) - 1
             shard = self.shard(s)
-            t = self._tensors(shard, g - self.starts[s])
+            t = self._tensors(shard, self.mapped(s), g - self.starts[s])
             lat, txt = t["latents"], t["text"]
             if tuple(lat.shape) != ix.latent_shape:
                 raise _corrupt(shard.label, f"member {shard.members[g - self.starts[s]][0]}: latents shape "

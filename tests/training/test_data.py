@@ -95,6 +95,21 @@ def test_shuffle_is_deterministic_per_seed_and_epoch(features: Path):
     assert len(set(a[48:])) == 48
 
 
+def test_few_mapped_shards_give_the_same_batches(features: Path, monkeypatch):
+    """Only the most recently used shards stay mmapped (file descriptors); results do not change."""
+    import training.data
+
+    def batches() -> list[torch.Tensor]:
+        with FeatureLoader(features, batch_size=4, seed=4, prefetch=0) as loader:
+            out = [next(loader)["text"].clone() for _ in range(12)]
+            assert len(loader._decoder._maps) <= training.data.MAX_MAPPED_SHARDS
+            return out
+
+    expected = batches()
+    monkeypatch.setattr(training.data, "MAX_MAPPED_SHARDS", 1)
+    assert all(torch.equal(a, b) for a, b in zip(batches(), expected, strict=True))
+
+
 def test_ranks_get_disjoint_slices_of_the_same_global_batch(features: Path):
     single = FeatureLoader(features, batch_size=6, world_size=1, seed=1, prefetch=0)
     ranks = [FeatureLoader(features, batch_size=3, rank=r, world_size=2, seed=1, prefetch=0) for r in range(2)]
