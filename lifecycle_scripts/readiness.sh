@@ -17,6 +17,7 @@ details=()
 check_fsx_writable() {
   local probe="$FSX/logs/provision/.ready-probe.$NODE_NAME.$$"
   { printf 'ok\n' >"$probe" && rm -f "$probe"; } 2>/dev/null || die "$FSX/logs/provision is not writable"
+  details+=("fsx=ok")
 }
 
 # check_accelerator TOOL LISTER LABEL: the driver must answer if its tool is installed.
@@ -60,5 +61,5 @@ esac
 status_file=$(node_status_file)
 printf '%s READY node=%s group=%s role=%s ip=%s package=%s %s\n' \
   "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$NODE_NAME" "$NODE_GROUP" "$NODE_ROLE" "$NODE_IP" \
-  "$CFG_PACKAGE_HASH" "${details[*]:-}" | write_atomically "$status_file" 0644
+  "$CFG_PACKAGE_HASH" "${details[*]}" | write_atomically "$status_file" 0644
 log "status: $(cat "$status_file")"

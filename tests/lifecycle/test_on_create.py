@@ -191,7 +191,9 @@ def test_status_file_per_node_lists_ready(cluster):
     for f in files:
         (line,) = f.read_text().splitlines()
         group, ip = NODES[f.stem]
-        assert re.match(rf"^\S+Z READY node={f.stem} group={group} role={group} ip={ip} package=pkg0001", line), line
+        extra = {"gpu": " gpu=ok env=", "trn": " neuron=ok env="}.get(group, "")
+        assert re.fullmatch(rf"\S+Z READY node={f.stem} group={group} role={group} ip={ip} package=pkg0001 "
+                            rf"fsx=ok{extra}\S*", line), line
 
 
 def test_accelerator_nodes_ask_their_driver(cluster):
