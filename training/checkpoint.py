@@ -25,6 +25,7 @@ LR-schedule position, EMA, data-loader position, step counters and every RNG str
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -208,13 +209,16 @@ def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
 
 
 def _fault_point(step: int, point: str) -> None:
-    """Test hook: ``SANA_CHECKPOINT_FAULT=<step>:<point>`` SIGKILLs this process right here.
+    """Test hook: ``SANA_CHECKPOINT_FAULT=<step>:<point>`` SIGKILLs this process right here
+    (``<step>:<point>:enospc`` raises "No space left on device" instead).
 
     SIGKILL (not an exception) so nothing gets to clean up: exactly what a node loss or the
     OOM killer does to a real run in the middle of a checkpoint write.
     """
     want = os.environ.get(FAULT_ENV)
-    if want and want == f"{step}:{point}":
+    if want == f"{step}:{point}:enospc":  # a full disk instead of a dead process
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if want == f"{step}:{point}":
         log.warning("checkpoint fault hook: SIGKILL at step %d, %s", step, point)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -340,52 +344,77 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         backend.barrier()
+        error: str | None = None
         if not backend.is_main:
             tmp.mkdir(parents=True, exist_ok=True)  # exists already on a shared filesystem
             _torch_save(rng, tmp / _rng_file(backend.rank))
         else:
-            _fault_point(step, "start")
-            _save_tensors(model_sd, tmp / MODEL_FILE)
-            _fault_point(step, "after-model")
-            _torch_save(optim_sd, tmp / OPTIMIZER_FILE)
-            ema_meta: dict[str, Any] | None = None
-            if ema_sd is not None:
-                ema_tensors, ema_meta = _split_tensors(ema_sd)
-                _save_tensors(ema_tensors, tmp / EMA_FILE)
-            train_state = {
-                "step": step,
-                "samples_seen": state.samples_seen,
-                "train_state": state.state_dict(),
-                "lr_scheduler": sched_sd,
-                "dataloader": loader_sd,
-                "ema_meta": ema_meta,
-                "backend": backend.describe(),
-                "world_size": backend.world_size,
-                "model_config": _model_config(backend.unwrap(model)),
-                "config": self.run_config,
-            }
-            _write_json(tmp / STATE_FILE, _jsonable(train_state))
-            _torch_save(rng, tmp / _rng_file(0))
+            try:
+                self._write_main(tmp, step=step, model=model, model_sd=model_sd, optim_sd=optim_sd,
+                                 ema_sd=ema_sd, sched_sd=sched_sd, loader_sd=loader_sd, rng=rng, state=state)
+            except OSError as exc:  # disk full, quota, permissions: rank 0 tells everyone below
+                error = f"{exc.strerror or exc} ({getattr(exc, 'filename', None) or tmp})"
         backend.barrier()  # every rank's RNG file is on disk
-        if backend.is_main:
-            _fault_point(step, "before-manifest")
-            files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                     for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
-            _write_json(tmp / MANIFEST, {"format": FORMAT, "step": step, "files": files,
-                                         "world_size": backend.world_size})
-            _fsync_dir(tmp)
-            _fault_point(step, "before-rename")
-            if final.exists():  # an older attempt at this step (e.g. resumed from an earlier one)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            log.info("checkpoint saved: %s", final)
-            if self.mirror is not None:
-                self.mirror.submit(final)
-            self._prune()
-        backend.barrier()
+        if backend.is_main and error is None:
+            try:
+                self._commit(tmp, final, step)
+            except OSError as exc:
+                error = f"{exc.strerror or exc} ({getattr(exc, 'filename', None) or tmp})"
+        # Rank 0's outcome reaches every rank (and fences the save like a barrier), so a failed
+        # write stops all ranks with the same message instead of leaving them waiting.
+        error = backend.broadcast_object(error)
+        if error:
+            if backend.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"checkpoint.dir: writing {final} failed: {error}; free space or fix "
+                            f"permissions under {self.root} (or lower checkpoint.keep_last), then resume")
         self.last_saved_step = step
         return final
+
+    def _write_main(self, tmp: Path, *, step: int, model: nn.Module, model_sd: Mapping[str, torch.Tensor],
+                    optim_sd: Any, ema_sd: Mapping[str, Any] | None, sched_sd: Any, loader_sd: Any,
+                    rng: Any, state: TrainState) -> None:
+        """Rank 0: every file except the manifest, each fsynced."""
+        _fault_point(step, "start")
+        _save_tensors(model_sd, tmp / MODEL_FILE)
+        _fault_point(step, "after-model")
+        _torch_save(optim_sd, tmp / OPTIMIZER_FILE)
+        ema_meta: dict[str, Any] | None = None
+        if ema_sd is not None:
+            ema_tensors, ema_meta = _split_tensors(ema_sd)
+            _save_tensors(ema_tensors, tmp / EMA_FILE)
+        train_state = {
+            "step": step,
+            "samples_seen": state.samples_seen,
+            "train_state": state.state_dict(),
+            "lr_scheduler": sched_sd,
+            "dataloader": loader_sd,
+            "ema_meta": ema_meta,
+            "backend": self.backend.describe(),
+            "world_size": self.backend.world_size,
+            "model_config": _model_config(self.backend.unwrap(model)),
+            "config": self.run_config,
+        }
+        _write_json(tmp / STATE_FILE, _jsonable(train_state))
+        _torch_save(rng, tmp / _rng_file(0))
+
+    def _commit(self, tmp: Path, final: Path, step: int) -> None:
+        """Rank 0: manifest last, rename into place, then mirror and prune."""
+        _fault_point(step, "before-manifest")
+        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                 for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
+        _write_json(tmp / MANIFEST, {"format": FORMAT, "step": step, "files": files,
+                                     "world_size": self.backend.world_size})
+        _fsync_dir(tmp)
+        _fault_point(step, "before-rename")
+        if final.exists():  # an older attempt at this step (e.g. resumed from an earlier one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        log.info("checkpoint saved: %s", final)
+        if self.mirror is not None:
+            self.mirror.submit(final)
+        self._prune()
 
     def _prune(self) -> None:
         if self.cfg.keep_last <= 0:

@@ -293,3 +293,14 @@ def test_resume_with_a_changed_config_says_what_changed(features, tmp_path, capl
     assert "resuming with a changed config: note: 'test' -> 'changed'" in caplog.text
     assert "checkpoint.resume" not in caplog.text
     run.close()
+
+
+def test_a_failed_write_is_one_clear_error_and_leaves_no_partial_checkpoint(features, tmp_path, monkeypatch):
+    run = Run(features, tmp_path / "j", every_steps=2)
+    run.steps(2)
+    monkeypatch.setenv("SANA_CHECKPOINT_FAULT", "4:after-model:enospc")  # the disk fills up at step 4
+    with pytest.raises(UserError, match=r"checkpoint.dir: writing .*step-00000004 failed: No space left on device"):
+        run.steps(2)
+    assert sorted(p.name for p in (tmp_path / "j").iterdir()) == ["step-00000002"]
+    assert find_latest(tmp_path / "j") == tmp_path / "j" / "step-00000002"
+    run.close()
