@@ -1,0 +1,240 @@
+"""python -m training.report: numbers against hand computations, charts, and its refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from training import report
+from training.bench_result import BenchResult
+
+REPO = Path(__file__).resolve().parents[2]
+PRICES = REPO / "training" / "prices.yaml"
+
+
+def _png_ok(path: Path) -> None:
+    with Image.open(path) as img:
+        img.verify()  # a truncated or non-PNG file raises here
+    with Image.open(path) as img:
+        assert img.format == "PNG"
+        assert img.size == report.CHART_PX
+
+
+def _money(x: float) -> str:
+    return f"${x:,.2f}"
+
+
+def make_result(*, backend: str, instance_type: str, accelerator: str, nodes: int, per_node: int,
+                sps_per_accel: float, peak: float | None = None, mfu: float | None = None, **extra) -> dict:
+    """A consistent result dict (identities hold) for logic tests at cluster scale."""
+    world = nodes * per_node
+    per_device = 16
+    steps = 50
+    total = sps_per_accel * world
+    seconds = per_device * world * steps / total
+    data = dict(backend=backend, device_kind="cuda" if backend == "gpu" else "neuron",
+                instance_type=instance_type, accelerator=accelerator, accelerators_per_node=per_node,
+                nodes=nodes, world_size=world, model_preset="sana-600m-512", model_overrides={},
+                resolution_px=512, latent_hw=[16, 16], text_tokens=300, precision="bf16-mixed",
+                per_device_batch=per_device, grad_accum_steps=1, global_batch=per_device * world,
+                data="synthetic", bytes_per_sample=300_000.0, warmup_steps=10, steps_timed=steps,
+                timed_seconds=seconds, step_time_p50_s=seconds / steps, step_time_p90_s=seconds / steps * 1.05,
+                step_time_mean_s=seconds / steps, samples_per_s_total=total,
+                samples_per_s_per_accelerator=total / world, samples_per_s_per_instance=total / nodes,
+                train_flops_per_sample=0.947e12, peak_tflops_per_accelerator=peak, peak_source="datasheet" if peak else None,
+                mfu=mfu, peak_memory_bytes=40 * 2**30, compile_count=None, compile_seconds=None,
+                compiles_in_timed_steps=None, final_loss=0.5, versions={"torch": "2.x"},
+                timestamp="2026-01-01T00:00:00+00:00", command="python -m training.bench ...", notes="")
+    data.update(extra)
+    BenchResult.from_dict(data)  # the helper itself must produce valid results
+    return data
+
+
+def _write(tmp_path: Path, name: str, data: dict) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+# ----- real runs: GPU backend on CPU, Trainium backend on XLA CPU ------------------------------
+
+@pytest.mark.slow
+def test_report_from_real_cpu_runs_matches_hand_computation(gpu_result, trainium_result, local_prices, tmp_path):
+    out = tmp_path / "report"
+    report.main([str(gpu_result), str(trainium_result), "--out", str(out), "--prices", str(local_prices),
+                 "--dataset-samples", "1000", "--epochs", "2", "--features-index", str(_features_dir(gpu_result)),
+                 "--fsx-storage-gib", "1200", "--fsx-throughput-per-tib", "250"])
+    md = (out / "report.md").read_text()
+    local_price = report.PriceTable.load(local_prices).get("local").usd_per_hour
+    gpu, trn = BenchResult.load(gpu_result), BenchResult.load(trainium_result)
+    assert trn.backend == "trainium" and trn.device_kind == "xla-cpu"
+    assert trn.compile_count and trn.compile_count >= 1 and trn.compiles_in_timed_steps == 0
+    assert "CPU figures, not accelerator figures" in md
+    for r in (gpu, trn):
+        cost = local_price / (r.samples_per_s_per_instance * 3600) * 1e6  # USD per million samples
+        hours = 1000 * 2 / r.samples_per_s_total / 3600
+        assert _money(cost) in md
+        assert f"| {hours:,.2f} | {_money(hours * local_price)} |" in md
+        assert f"{r.samples_per_s_per_accelerator:,.3f}" in md
+    # recommendation: the cheaper of the two by cost per million, with the saving computed
+    costs = {r.backend: local_price / (r.samples_per_s_per_instance * 3600) * 1e6 for r in (gpu, trn)}
+    cheap, dear = sorted(costs, key=costs.get)
+    assert f"{cheap} on local" in md.split("## Recommendation")[1].split("## Runs")[0].split("is the cheaper")[0]
+    assert f"{(costs[dear] - costs[cheap]) / costs[dear]:.1%} less" in md
+    # capacity: bytes/sample of the index x total samples/s vs 1200 GiB x 250 MB/s/TiB
+    assert "Provisioned: 293.0 MB/s" in md
+    need = gpu.bytes_per_sample * gpu.samples_per_s_total / 1e6
+    assert f"{need:,.3f}" in md
+    for name in ("throughput", "cost"):
+        _png_ok(out / f"{name}.png")
+        assert f"({name}.png)" in md
+    assert not (out / "mfu.png").exists()  # no published CPU peak -> no MFU chart
+
+
+def _features_dir(result_path: Path) -> Path:
+    """The synthetic feature dir the bench left under its --work-dir."""
+    [index] = list((result_path.parent / "work").glob("synthetic-*/index.json"))
+    return index.parent
+
+
+# ----- cluster-scale logic on constructed results ----------------------------------------------
+
+def test_recommendation_scaling_and_mfu_against_hand_computation(tmp_path):
+    p5 = [make_result(backend="gpu", instance_type="ml.p5.48xlarge", accelerator="H100-SXM", nodes=n,
+                      per_node=8, sps_per_accel=s, peak=989.0, mfu=0.947e12 * s / 989e12)
+          for n, s in ((1, 400.0), (2, 360.0))]
+    trn = [make_result(backend="trainium", instance_type="ml.trn1.32xlarge", accelerator="NeuronCore-v2",
+                       nodes=n, per_node=32, sps_per_accel=s, peak=95.0, mfu=0.947e12 * s / 95e12,
+                       compile_count=3, compile_seconds=400.0, compiles_in_timed_steps=0)
+           for n, s in ((1, 30.0), (2, 29.0))]
+    paths = [_write(tmp_path, f"r{i}.json", d) for i, d in enumerate(p5 + trn)]
+    out = tmp_path / "out"
+    report.main([*map(str, paths), "--out", str(out), "--prices", str(PRICES), "--dataset-samples", "10000000",
+                 "--fsx-throughput-mbps", "500"])
+    md = (out / "report.md").read_text()
+    prices = report.PriceTable.load(PRICES)
+    usd_p5, usd_trn = prices.get("ml.p5.48xlarge").usd_per_hour, prices.get("ml.trn1.32xlarge").usd_per_hour
+    # at one node: p5 3200 samples/s/instance, trn1 960 samples/s/instance
+    c_p5, c_trn = usd_p5 / (3200 * 3600) * 1e6, usd_trn / (960 * 3600) * 1e6
+    assert _money(c_p5) in md and _money(c_trn) in md
+    rec = md.split("## Recommendation")[1].split("## Runs")[0]
+    cheap, dear = ("gpu", "trainium") if c_p5 < c_trn else ("trainium", "gpu")
+    assert rec.strip().startswith(f"{cheap} on ml.")
+    assert f"{abs(c_p5 - c_trn) / max(c_p5, c_trn):.1%} less" in rec
+    # scaling efficiency: (2 x 8 x 360 / 2) / (8 x 400) = 90%, trn1 29/30 = 96.7%
+    assert "| 2 | 5,760.000 | 90.0% |" in md
+    assert f"{29 / 30:.1%}" in md
+    assert "keeps 90% scaling efficiency at 2 nodes" in rec
+    # MFU: 0.947 TFLOP x 400 / 989 TFLOP/s
+    assert f"{0.947e12 * 400 / 989e12:.1%}" in md
+    # time to 10M samples on one p5: 10e6 / 3200 / 3600 h
+    assert f"{1e7 / 3200 / 3600:,.2f}" in md
+    # capacity: 300 kB x 5760 samples/s = 1728 MB/s > 500 provisioned -> warning
+    assert "1,728.000" in md and "more than provisioned" in md
+    assert "Unverified entries used" in md  # the shipped prices are unverified list prices
+    for name in ("throughput", "cost", "mfu", "scaling"):
+        _png_ok(out / f"{name}.png")
+
+
+def test_crossover_sentence_when_the_cheaper_platform_is_slower(tmp_path):
+    fast = make_result(backend="gpu", instance_type="ml.p5.48xlarge", accelerator="H100-SXM", nodes=1,
+                       per_node=8, sps_per_accel=100.0)
+    slow = make_result(backend="trainium", instance_type="ml.trn1.32xlarge", accelerator="NeuronCore-v2",
+                       nodes=1, per_node=32, sps_per_accel=20.0)
+    runs = [report.Run(path=Path(n), result=BenchResult.from_dict(d), price=report.PriceTable.load(PRICES).get(
+        d["instance_type"])) for n, d in (("a", fast), ("b", slow))]
+    text = report.recommendation(runs, report.Options(dataset_samples=1_000_000, epochs=3))
+    p_fast, p_slow = runs[0].price.usd_per_hour, runs[1].price.usd_per_hour
+    t_fast, t_slow = 3e6 / 800 / 3600, 3e6 / 640 / 3600
+    c_fast, c_slow = t_fast * p_fast, t_slow * p_slow
+    assert c_slow < c_fast  # trn1 cheaper per sample, p5 faster per instance
+    assert text.startswith("trainium on ml.trn1.32xlarge")
+    assert "1.25x faster per instance" in text
+    assert f"worth more than {_money((c_fast - c_slow) / (t_slow - t_fast))}" in text
+    assert "takes about 2 ml.trn1.32xlarge nodes" in text  # ceil(800 / 640)
+
+
+# ----- refusals: one clear line each ---------------------------------------------------------------
+
+def _fails(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        report.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def _pair(tmp_path, **changes):
+    base = make_result(backend="gpu", instance_type="ml.p5.48xlarge", accelerator="H100-SXM", nodes=1,
+                       per_node=8, sps_per_accel=400.0)
+    other = make_result(backend="trainium", instance_type="ml.trn1.32xlarge", accelerator="NeuronCore-v2",
+                        nodes=1, per_node=32, sps_per_accel=30.0, **changes)
+    return _write(tmp_path, "a.json", base), _write(tmp_path, "b.json", other)
+
+
+def test_mismatch_is_refused_naming_the_field(tmp_path, capsys):
+    a, b = _pair(tmp_path, precision="bf16")
+    err = _fails([str(a), str(b), "--out", str(tmp_path / "o")], capsys)
+    assert "field precision is 'bf16'" in err and str(a) in err and "--allow-mismatch" in err
+    report.main([str(a), str(b), "--out", str(tmp_path / "o"), "--allow-mismatch"])
+    assert "Mismatched runs compared" in (tmp_path / "o" / "report.md").read_text()
+
+
+def test_resolution_mismatch_is_refused(tmp_path, capsys):
+    a, b = _pair(tmp_path, resolution_px=1024, latent_hw=[32, 32])
+    assert "field resolution_px" in _fails([str(a), str(b), "--out", str(tmp_path / "o")], capsys)
+
+
+def test_missing_price_names_the_instance_type(tmp_path, capsys):
+    a, _ = _pair(tmp_path)
+    data = json.loads(a.read_text()) | {"instance_type": "ml.g5.48xlarge"}
+    err = _fails([str(_write(tmp_path, "g5.json", data)), "--out", str(tmp_path / "o")], capsys)
+    assert "no price for instance type ml.g5.48xlarge" in err
+
+
+@pytest.mark.parametrize(("mutate", "expected"), [
+    (lambda text, d: text[: len(text) // 2], "not valid JSON"),
+    (lambda text, d: json.dumps({k: v for k, v in d.items() if k != "samples_per_s_total"}),
+     "field samples_per_s_total: missing"),
+    (lambda text, d: json.dumps(d | {"nodes": "one"}), "field nodes: expected an integer"),
+    (lambda text, d: json.dumps(d | {"samples_per_s_total": d["samples_per_s_total"] * 2}),
+     "field samples_per_s_total:"),
+    (lambda text, d: json.dumps(d | {"mfu": 1.7}), "field mfu: must be a fraction"),
+    (lambda text, d: json.dumps(d | {"colour": "red"}), "field colour: unknown field"),
+    (lambda text, d: json.dumps([d]), "expected a JSON object"),
+])
+def test_bad_result_json_gives_one_line_naming_file_and_field(tmp_path, capsys, mutate, expected):
+    a, _ = _pair(tmp_path)
+    bad = tmp_path / "bad.json"
+    bad.write_text(mutate(a.read_text(), json.loads(a.read_text())))
+    err = _fails([str(bad), "--out", str(tmp_path / "o")], capsys)
+    assert str(bad) in err and expected in err
+
+
+def test_bad_prices_file_names_the_key(tmp_path, capsys):
+    a, _ = _pair(tmp_path)
+    prices = tmp_path / "p.yaml"
+    prices.write_text(PRICES.read_text().replace("usd_per_hour: 113.07", "usd_per_hour: free"))
+    err = _fails([str(a), "--out", str(tmp_path / "o"), "--prices", str(prices)], capsys)
+    assert "prices.ml.p5.48xlarge.usd_per_hour" in err
+
+
+def test_shipped_prices_cover_the_platform_instance_types():
+    table = report.PriceTable.load(PRICES)
+    for name in ("ml.p5.48xlarge", "ml.p4d.24xlarge", "ml.p5e.48xlarge", "ml.trn1.32xlarge",
+                 "ml.trn1n.32xlarge", "ml.trn2.48xlarge"):
+        price = table.get(name)
+        assert price.usd_per_hour > 0 and price.source.startswith("https://") and re.match(r"\d{4}-\d\d-\d\d",
+                                                                                            price.checked)
+
+
+def test_fsx_defaults_come_from_cdk_json():
+    mbps, source = report.fsx_from_cdk(REPO / "cdk.json")
+    ctx = json.loads((REPO / "cdk.json").read_text())["context"]
+    assert mbps == pytest.approx(ctx["fsxStorageGiB"] / 1024 * ctx["fsxThroughputPerTiB"])
+    assert "fsxStorageGiB" in source
