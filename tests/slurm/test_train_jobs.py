@@ -200,29 +200,6 @@ def test_scancel_then_resubmit_continues_from_last_checkpoint_to_identical_weigh
     assert not different, f"{len(different)} tensors differ after resume, e.g. {different[:3]}"
 
 
-def test_on_hyperpod_srun_gets_auto_resume_and_submitted_sana_vars_beat_the_profile(
-        slurm_cluster: SlurmCluster, site: Site, tmp_path: Path) -> None:
-    if slurm_cluster.auto_resume_record is None:
-        pytest.skip("no C compiler to build the --auto-resume SPANK stub (tests/slurm/auto_resume_stub.c)")
-    marker = tmp_path / "opt-sagemaker_cluster"  # stands for /opt/sagemaker_cluster
-    marker.mkdir()
-    own_root = tmp_path / "my-checkpoints"  # a researcher's `SANA_CHECKPOINT_ROOT=... sbatch`
-    job_name = "tiny-hyperpod"
-    env = site.env(SANA_NPROC_PER_NODE="1", SANA_HYPERPOD_DIR=str(marker), SANA_CHECKPOINT_ROOT=str(own_root))
-    job_id = slurm_cluster.sbatch(SLURM_DIR / "train-gpu.sbatch", str(TINY), "--set", f"data.path={site.features}",
-                                  "--max-steps", "2", options=(f"--job-name={job_name}",), env=env,
-                                  cwd=site.submit_dir)
-    info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
-    assert info["JobState"] == "COMPLETED", job_failure(slurm_cluster, site, info, job_name, job_id)
-
-    job_log = (site.log_dir(job_name, job_id) / "job.log").read_text()
-    assert "--auto-resume=1" in job_log
-    records = slurm_cluster.auto_resume_record.read_text().splitlines()
-    assert f"{job_id} auto-resume=1" in records  # srun accepted the option and passed it to the step
-    assert complete_checkpoints(own_root / job_name)[-1] == 2
-    assert not site.run_dir(job_name).exists()
-
-
 def test_a_config_error_fails_the_job_with_the_one_line_error_in_job_log(
         slurm_cluster: SlurmCluster, site: Site, tmp_path: Path) -> None:
     job_name = "tiny-bad-data"
@@ -263,20 +240,35 @@ def test_precompute_sbatch_writes_features(slurm_cluster: SlurmCluster, site: Si
     assert not site.run_dir(job_name).exists()  # no checkpoint directory for a precompute job
 
 
-def test_bench_sbatch_writes_its_result_into_the_job_log_dir(slurm_cluster: SlurmCluster, site: Site,
-                                                             tmp_path: Path) -> None:
+def test_bench_sbatch_on_hyperpod_gets_auto_resume_and_writes_its_result_where_the_submitter_said(
+        slurm_cluster: SlurmCluster, site: Site, tmp_path: Path) -> None:
+    """Three launcher rules in one cheap job: bench.sbatch's result lands in the job's log
+    dir; on HyperPod (marker dir present) srun gets --auto-resume=1 and accepts it; and a
+    SANA_* variable exported at submit time (SANA_LOG_ROOT) wins over the node profile."""
+    if slurm_cluster.auto_resume_record is None:
+        pytest.skip("no C compiler to build the --auto-resume SPANK stub (tests/slurm/auto_resume_stub.c)")
+    marker = tmp_path / "opt-sagemaker_cluster"  # stands for /opt/sagemaker_cluster
+    marker.mkdir()
+    own_logs = tmp_path / "my-logs"  # a researcher's `SANA_LOG_ROOT=... sbatch`
     job_name = "tiny-bench"
+    env = site.env(SANA_NPROC_PER_NODE="1", SANA_HYPERPOD_DIR=str(marker), SANA_LOG_ROOT=str(own_logs))
     job_id = slurm_cluster.sbatch(SLURM_DIR / "bench.sbatch", str(TINY), "--synthetic", "--steps", "3",
                                   "--warmup", "1", "--work-dir", str(tmp_path / "scratch"),
-                                  options=(f"--job-name={job_name}",), env=site.env(SANA_NPROC_PER_NODE="1"),
-                                  cwd=site.submit_dir)
+                                  options=(f"--job-name={job_name}",), env=env, cwd=site.submit_dir)
     info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
-    assert info["JobState"] == "COMPLETED", job_failure(slurm_cluster, site, info, job_name, job_id)
+    log_dir = own_logs / f"{job_name}-{job_id}"
+    assert info["JobState"] == "COMPLETED", (info, (log_dir / "job.log").read_text()[-3000:])
 
-    result = json.loads((site.log_dir(job_name, job_id) / "bench.json").read_text())
+    result = json.loads((log_dir / "bench.json").read_text())
     assert result["backend"] == "gpu"  # partition gpu -> the GPU backend and env
     assert result["world_size"] == 1
     assert result["instance_type"] == "local"
+    assert not site.log_dir(job_name, job_id).exists()
+
+    assert "srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1 --label --auto-resume=1" in (
+        log_dir / "job.log").read_text()
+    records = slurm_cluster.auto_resume_record.read_text().splitlines()
+    assert f"{job_id} auto-resume=1" in records  # srun accepted the option and passed it to the step
 
 
 def test_train_trainium_sbatch_runs_tiny_on_pjrt_cpu_on_partition_trn(slurm_cluster: SlurmCluster,
