@@ -39,6 +39,7 @@ def launch(tmp: Path, name: str, nproc: int, batch: int, *extra: str) -> list[di
              "--set", f"data.path={tmp / 'features'}", "--set", f"data.batch_size={batch}",
              "--set", "optim.warmup_steps=0", "--set", f"optim.lr={LR}", "--set", "checkpoint.every_steps=0",
              "--set", "tensorboard=false", "--set", "log_every=2", "--set", "objective.caption_dropout=0.5",
+             "--set", "ema.decay=0.9",
              "--max-steps", str(STEPS), "--output-dir", str(out / "run"), "--dump", str(out / "dump"), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
