@@ -1,62 +1,37 @@
 """Bench results produced for real (tiny preset), shared by the report tests.
 
-GPU backend: in this process on CPU. Trainium backend: ``python -m training.bench
---backend trainium`` in .venv-xla (torch-xla on PJRT CPU) as a subprocess, because torch-xla
-lives only in that environment.
+``training.bench.run_demo_comparison`` is what ``make demo`` ends with: the GPU backend
+benched in this process on CPU, the Trainium backend benched by ``python -m training.bench
+--backend trainium`` in .venv-xla (torch-xla on PJRT CPU; a subprocess because torch-xla
+lives only there), then ``python -m training.report`` over both.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 XLA_PYTHON = REPO / ".venv-xla" / "bin" / "python"
-TINY = REPO / "training" / "configs" / "tiny-cpu.yaml"
-#: tiny preset, 16 text tokens, batch 4: identical on both backends so the report compares them
-BENCH_ARGS = ["--config", str(TINY), "--set", "tensorboard=false", "--set", "data.batch_size=4",
-              "--synthetic", "--text-tokens", "16"]
-#: one price for "local" (both CPU runs), so every cost number can be checked by hand
-LOCAL_PRICE = 0.5
 
 
 @pytest.fixture(scope="session")
-def gpu_result(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from training import bench
+def tiny_features(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Feature shards shaped for the tiny preset (latents [4, 32, 32], 16 x 8 text)."""
+    from training.data import write_synthetic_features
 
-    out = tmp_path_factory.mktemp("bench") / "gpu-cpu.json"
-    bench.main(["--backend", "gpu", *BENCH_ARGS, "--steps", "4", "--warmup", "1",
-                "--work-dir", str(out.parent / "work"), "--out", str(out)])
+    out = tmp_path_factory.mktemp("features")
+    write_synthetic_features(out, num_samples=32, latent_shape=(4, 32, 32), text_dim=8, max_text_tokens=16,
+                             text_tokens=(2, 16), seed=0, samples_per_shard=16)
     return out
 
 
 @pytest.fixture(scope="session")
-def trainium_result(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def demo_comparison(tiny_features: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if not XLA_PYTHON.exists():
         pytest.skip(".venv-xla missing: run `make setup-xla` to bench the Trainium backend on XLA CPU")
-    out = tmp_path_factory.mktemp("bench") / "trainium-xla-cpu.json"
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([str(XLA_PYTHON), "-m", "training.bench", "--backend", "trainium", *BENCH_ARGS,
-                           "--steps", "4", "--warmup", "2", "--work-dir", str(out.parent / "work"),
-                           "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    from training.bench import run_demo_comparison
 
-
-@pytest.fixture
-def local_prices(tmp_path: Path) -> Path:
-    path = tmp_path / "prices.yaml"
-    path.write_text(f"""as_of: "2026-01-01"
-currency: USD
-region: local
-prices:
-  local:
-    usd_per_hour: {LOCAL_PRICE}
-    source: "illustrative price for local CPU runs (tests)"
-    checked: "2026-01-01"
-    verified: true
-""")
-    return path
+    return run_demo_comparison(tmp_path_factory.mktemp("compare"), features=tiny_features, steps=4,
+                               dataset_samples=1000, epochs=2)

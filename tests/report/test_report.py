@@ -63,42 +63,40 @@ def _write(tmp_path: Path, name: str, data: dict) -> Path:
 # ----- real runs: GPU backend on CPU, Trainium backend on XLA CPU ------------------------------
 
 @pytest.mark.slow
-def test_report_from_real_cpu_runs_matches_hand_computation(gpu_result, trainium_result, local_prices, tmp_path):
-    out = tmp_path / "report"
-    report.main([str(gpu_result), str(trainium_result), "--out", str(out), "--prices", str(local_prices),
-                 "--dataset-samples", "1000", "--epochs", "2", "--features-index", str(_features_dir(gpu_result)),
-                 "--fsx-storage-gib", "1200", "--fsx-throughput-per-tib", "250"])
-    md = (out / "report.md").read_text()
-    local_price = report.PriceTable.load(local_prices).get("local").usd_per_hour
-    gpu, trn = BenchResult.load(gpu_result), BenchResult.load(trainium_result)
-    assert trn.backend == "trainium" and trn.device_kind == "xla-cpu"
+def test_report_from_real_cpu_runs_matches_hand_computation(demo_comparison, tiny_features):
+    md_path = demo_comparison["comparison report (CPU figures)"]
+    md = md_path.read_text()
+    gpu = BenchResult.load(demo_comparison["bench result, GPU backend on CPU"])
+    trn = BenchResult.load(demo_comparison["bench result, Trainium backend on XLA CPU"])
+    assert (gpu.backend, gpu.device_kind, trn.backend, trn.device_kind) == ("gpu", "cpu", "trainium", "xla-cpu")
     assert trn.compile_count and trn.compile_count >= 1 and trn.compiles_in_timed_steps == 0
+    assert gpu.steps_timed == trn.steps_timed == 4
     assert "CPU figures, not accelerator figures" in md
+    price = report.PriceTable.load(md_path.parent.parent / "prices-demo.yaml").get("local").usd_per_hour
     for r in (gpu, trn):
-        cost = local_price / (r.samples_per_s_per_instance * 3600) * 1e6  # USD per million samples
-        hours = 1000 * 2 / r.samples_per_s_total / 3600
+        cost = price / (r.samples_per_s_per_instance * 3600) * 1e6  # USD per million samples
+        hours = 1000 * 2 / r.samples_per_s_total / 3600  # --dataset-samples 1000 --epochs 2
         assert _money(cost) in md
-        assert f"| {hours:,.2f} | {_money(hours * local_price)} |" in md
+        assert f"| {hours:,.2f} | {_money(hours * price)} |" in md
         assert f"{r.samples_per_s_per_accelerator:,.3f}" in md
     # recommendation: the cheaper of the two by cost per million, with the saving computed
-    costs = {r.backend: local_price / (r.samples_per_s_per_instance * 3600) * 1e6 for r in (gpu, trn)}
+    costs = {r.backend: price / (r.samples_per_s_per_instance * 3600) * 1e6 for r in (gpu, trn)}
     cheap, dear = sorted(costs, key=costs.get)
-    assert f"{cheap} on local" in md.split("## Recommendation")[1].split("## Runs")[0].split("is the cheaper")[0]
-    assert f"{(costs[dear] - costs[cheap]) / costs[dear]:.1%} less" in md
-    # capacity: bytes/sample of the index x total samples/s vs 1200 GiB x 250 MB/s/TiB
+    rec = md.split("## Recommendation")[1].split("## Runs")[0]
+    assert rec.split("is the cheaper platform")[0].strip().endswith(f"{cheap} on local " +
+                                                                   ("cpu (cpu)" if cheap == "gpu" else
+                                                                    "xla-cpu (xla-CPU)"))
+    assert f"{(costs[dear] - costs[cheap]) / costs[dear]:.1%} less" in rec
+    # capacity: bytes/sample of the index x total samples/s vs cdk.json 1200 GiB x 250 MB/s/TiB
+    from training.data import FeatureIndex
+
+    bps = FeatureIndex.load(tiny_features).bytes_per_sample
     assert "Provisioned: 293.0 MB/s" in md
-    need = gpu.bytes_per_sample * gpu.samples_per_s_total / 1e6
-    assert f"{need:,.3f}" in md
+    assert f"{bps * gpu.samples_per_s_total / 1e6:,.3f}" in md
     for name in ("throughput", "cost"):
-        _png_ok(out / f"{name}.png")
+        _png_ok(md_path.parent / f"{name}.png")
         assert f"({name}.png)" in md
-    assert not (out / "mfu.png").exists()  # no published CPU peak -> no MFU chart
-
-
-def _features_dir(result_path: Path) -> Path:
-    """The synthetic feature dir the bench left under its --work-dir."""
-    [index] = list((result_path.parent / "work").glob("synthetic-*/index.json"))
-    return index.parent
+    assert not (md_path.parent / "mfu.png").exists()  # no published CPU peak -> no MFU chart
 
 
 # ----- cluster-scale logic on constructed results ----------------------------------------------
