@@ -139,9 +139,16 @@ def sample(demo: Demo) -> None:
     demo.where["sample image (random tiny VAE: noise-like)"] = path
 
 
+def compare(demo: Demo) -> None:
+    """Bench both backends on this CPU and write the GPU-vs-Trainium report (CPU figures)."""
+    from training.bench import run_demo_comparison
+
+    demo.where.update(run_demo_comparison(demo.path("compare"), features=demo.path("features")))
+
+
 #: The demo, in order. Append steps here (e.g. bench, report).
 STEPS: list[Callable[[Demo], None]] = [
-    make_raw_data, make_tiny_models, precompute, train_first_part, train_resumed, export, sample,
+    make_raw_data, make_tiny_models, precompute, train_first_part, train_resumed, export, sample, compare,
 ]
 
 
