@@ -427,8 +427,15 @@ class _Decoder:
                 "text": torch.empty((batch_size, ix.max_text_tokens, ix.text_dim), dtype=torch.float32),
                 "text_mask": torch.empty((batch_size, ix.max_text_tokens), dtype=torch.int64)}
 
-    def batch(self, indices: Sequence[int], out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """Collate the samples ``indices`` into ``out`` (every element overwritten) or new tensors."""
+    def batch(self, indices: Sequence[int], out: dict[str, torch.Tensor] | None = None,
+              filled: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Collate the samples ``indices`` into ``out`` or new tensors.
+
+        ``filled``: for a reused ``out`` whose text padding is known to be zero beyond
+        ``filled[row]`` rows (what the previous call wrote, untouched since), only rows
+        ``[n, filled[row])`` are zeroed; padding is ~75% of a 300-token batch, so this
+        halves the memory traffic. Updated in place. None: every padding row is zeroed.
+        """
         ix = self.index
         n_max, dim = ix.max_text_tokens, ix.text_dim
         out = self.empty_batch(len(indices)) if out is None else out
@@ -447,7 +454,12 @@ class _Decoder:
                                             f"{list(txt.shape)}, expected [1..{n_max}, {dim}]")
             latents[row].copy_(lat)
             text[row, :n].copy_(txt)
-            text[row, n:].zero_()
+            if filled is None:
+                text[row, n:].zero_()
+            else:
+                if filled[row] > n:
+                    text[row, n:filled[row]].zero_()
+                filled[row] = n
             mask[row, :n] = 1
             mask[row, n:] = 0
         return {"latents": latents, "text": text, "text_mask": mask}
@@ -472,21 +484,39 @@ class _BufferPool:
 
     def __init__(self, make, capacity: int) -> None:
         self.make, self.capacity = make, capacity
-        self.items: list[dict[str, torch.Tensor]] = []
+        self.items: list[_Buffers] = []
         self.base = _storage_refs(torch.empty(1))  # refs of a storage only its own tensor holds
 
-    def get(self) -> dict[str, torch.Tensor]:
+    def get(self) -> _Buffers:
         for item in self.items:
-            if all(_storage_refs(t) == self.base for t in item.values()):
+            if all(_storage_refs(t) == self.base for t in item.tensors.values()):
                 return item
-        item = self.make()
+        item = _Buffers(self.make())
         if len(self.items) < self.capacity:
             self.items.append(item)
         return item
 
-    @staticmethod
-    def views(item: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: t.view(t.shape) for k, t in item.items()}
+
+class _Buffers:
+    """One batch's tensors plus what is known about their contents.
+
+    ``filled[row]``: text rows of that row that may be non-zero; valid only while the
+    tensors' version counters are the ones recorded after the last fill (views share the
+    counter, so any in-place write by the consumer, e.g. caption dropout, invalidates it).
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.filled: list[int] | None = None
+        self.versions: list[int] = []
+
+    def clean_fill(self) -> list[int] | None:
+        same = [t._version for t in self.tensors.values()] == self.versions
+        return self.filled if same else None
+
+    def done(self, filled: list[int]) -> dict[str, torch.Tensor]:
+        self.filled, self.versions = filled, [t._version for t in self.tensors.values()]
+        return {k: t.view(t.shape) for k, t in self.tensors.items()}
 
 
 class _Reader:
@@ -521,8 +551,12 @@ class _Reader:
         if self._pool is None:
             self._pool = _BufferPool(lambda: self.decoder.empty_batch(self.batch_size), self.pool_size)
         buffers = self._pool.get()
-        self.decoder.batch(self.indices(epoch, step, self._perm[1]), out=buffers)
-        return self._pool.views(buffers)
+        filled = buffers.clean_fill()
+        filled = list(filled) if filled is not None else None
+        self.decoder.batch(self.indices(epoch, step, self._perm[1]), out=buffers.tensors, filled=filled)
+        if filled is None:  # a full fill: every row's padding is now zero
+            filled = [int(n) for n in buffers.tensors["text_mask"].sum(1).tolist()]
+        return buffers.done(filled)
 
     def next_position(self, epoch: int, step: int) -> tuple[int, int]:
         step += 1

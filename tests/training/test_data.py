@@ -155,6 +155,21 @@ def test_kept_batches_are_not_overwritten(features: Path):
     assert torch.equal(view, snapshot)
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_consumer_writes_never_leak_into_later_batches(features: Path, prefetch: int):
+    """Recycled buffers zero only the rows they must; a consumer writing into a batch
+    (e.g. caption dropout in place) makes the next fill of that buffer a full one."""
+    with FeatureLoader(features, batch_size=4, seed=6, prefetch=prefetch) as loader:
+        for step in range(30):
+            batch = next(loader)
+            mask = batch["text_mask"].bool()
+            assert not batch["text"][~mask].any(), f"step {step}: stale values in the padding"
+            if step % 3 == 0:
+                batch["text"].fill_(7.0)
+                batch["text_mask"].fill_(1)
+            del batch, mask
+
+
 def test_dropped_loader_stops_its_thread(features: Path):
     import gc
 

@@ -19,6 +19,7 @@ def test_loader_delivers_500_samples_per_second(tmp_path: Path):
     result = bench(tmp_path, batch_size=32, seconds=4.0, windows=8)
     print(f"\nloader: {result['samples_per_s']:.0f} samples/s overall, best 0.5 s window "
           f"{result['best_window']:.0f}; {index['bytes_per_sample']:.0f} bytes/sample")
-    # Measured here: ~900 samples/s with the 2 cores shared, ~1600 quiet. The best window
-    # is asserted: the whole run can lose seconds to other tenants of the cores.
+    # Measured here (2 cores, load average ~14 from other work): 1150-1450 samples/s overall,
+    # 1300-1550 best window; the best window is asserted, as the whole run can lose
+    # seconds to other tenants of the cores.
     assert result["best_window"] >= FLOOR
