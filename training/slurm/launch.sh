@@ -13,10 +13,12 @@
 # Operator guide: runbooks/train-slurm.md.
 set -euo pipefail
 
-readonly LAUNCHER="${BASH_SOURCE[0]}"
-# training/slurm/launch.sh -> the directory that holds the `training` package.
-PACKAGE_ROOT=$(cd "$(dirname "$LAUNCHER")/../.." && pwd)
+# training/slurm/launch.sh -> the directory that holds the `training` package, with symlinks
+# resolved (pwd -P): /fsx/platform/current moves when the platform is updated, and every node
+# and every HyperPod rerun of this job must keep running the code the job started with.
+PACKAGE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd -P)
 readonly PACKAGE_ROOT
+readonly LAUNCHER=$PACKAGE_ROOT/training/slurm/launch.sh
 
 die() {
   echo "launch.sh: $*" >&2
@@ -38,8 +40,10 @@ load_node_profile() {
   mapfile -t names < <(compgen -e | grep -E '^SANA_' | grep -vxE 'SANA_(ROLE|GROUP)' || true)
   local name
   for name in "${names[@]}"; do submitted[$name]=${!name}; done
+  set +u # a profile is written for interactive shells, not for `set -u`
   # shellcheck source=/dev/null
   source "$profile"
+  set -u
   for name in "${names[@]}"; do export "$name=${submitted[$name]}"; done
   echo "launch.sh: loaded node profile $profile"
 }
