@@ -57,12 +57,13 @@ def build_app(context: Mapping[str, Any] | None = None, *, outdir: str | None = 
     # caller's credentials, so synth works offline and is reproducible.
     env = cdk.Environment(account=config.account or None, region=config.region or None)
     p = config.projectName
-    network = NetworkStack(app, "Network", stack_name=f"{p}-network", env=env, config=config,
+    # Construct ID = stack name, so `cdk deploy/destroy <project>-cluster` selects it.
+    network = NetworkStack(app, f"{p}-network", stack_name=f"{p}-network", env=env, config=config,
                            description=f"{p}: VPC, cluster subnet, NAT, S3 endpoint, flow logs, EFA security group")
-    storage = StorageStack(app, "Storage", stack_name=f"{p}-storage", env=env, config=config,
+    storage = StorageStack(app, f"{p}-storage", stack_name=f"{p}-storage", env=env, config=config,
                            network=network.network,
                            description=f"{p}: KMS key, data/artefacts/lifecycle buckets, FSx for Lustre")
-    cluster = ClusterStack(app, "Cluster", stack_name=f"{p}-cluster", env=env, config=config,
+    cluster = ClusterStack(app, f"{p}-cluster", stack_name=f"{p}-cluster", env=env, config=config,
                            network=network.network, storage=storage,
                            description=f"{p}: HyperPod Slurm cluster, execution role, lifecycle scripts")
     # The cluster names storage's buckets by their deterministic names; keep the order explicit.

@@ -125,8 +125,9 @@ def _synth(name: str, outdir: Path) -> Synth:
         expected_hash = ""  # edited while synthesizing (several engineers share this checkout)
     synth = Synth(name=name, outdir=outdir, context=context,
                   platform=None if name in CLI_VARIANTS else platform, package_hash=expected_hash)
+    project = context.get("projectName", "sana")
     for stack in STACKS:
-        synth.templates[stack] = json.loads((outdir / f"{stack}.template.json").read_text())
+        synth.templates[stack] = json.loads((outdir / f"{project}-{stack.lower()}.template.json").read_text())
     return synth
 
 

@@ -24,7 +24,7 @@ def test_audit_passes_with_zero_open_findings(synthesized, variant):
     assert result.ok, render(result)
     assert not result.nag_open and not result.stale_acknowledgements and not result.lint_failures
     assert {f.pack for f in result.nag_acknowledged} == set(PACKS)
-    assert set(result.lint_regions) == {"Network", "Storage", "Cluster"}
+    assert set(result.lint_regions) == {"sana-network", "sana-storage", "sana-cluster"}
     if variant == "trn_only":
         assert set(result.lint_regions.values()) == {"us-east-2"}
 

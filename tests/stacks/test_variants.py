@@ -38,7 +38,7 @@ def test_trainium_only_trn2_with_login_pinned_to_region(trn_only):
     subnets = trn_only.resources("Network", "AWS::EC2::Subnet").values()
     assert {s["Properties"]["AvailabilityZoneId"] for s in subnets} == {"use2-az3"}
     manifest = json.loads((trn_only.outdir / "manifest.json").read_text())
-    assert manifest["artifacts"]["Cluster"]["environment"] == "aws://unknown-account/us-east-2"
+    assert manifest["artifacts"]["sana-cluster"]["environment"] == "aws://unknown-account/us-east-2"
 
 
 def test_both_groups_with_login_is_the_default(default):
