@@ -4,8 +4,9 @@
 # concern; see runbooks/node-boot.md.
 #
 #   all roles   settings -> identity -> fsx -> dirs -> package -> profile -> ... -> ready
-#   gpu         ... -> env-gpu (/fsx/envs/gpu) -> ready
-#   trn         ... -> env-neuron (/fsx/envs/neuron) -> ready
+#   gpu         ... -> env-gpu (build /fsx/envs/gpu once per cluster) -> ready
+#   trn         ... -> env-neuron (build /fsx/envs/neuron once per cluster) -> ready
+#   login       ... -> env-gpu (only the base Python the GPU env links to) -> ready
 #
 # Every line goes to stdout (HyperPod ships it to CloudWatch) and to
 # /var/log/provision/provisioning.log. A failure ends with ONE line
@@ -17,6 +18,7 @@
 #   SAGEMAKER_RESOURCE_CONFIG_PATH  HyperPod's resource config (default /opt/ml/config/resource_config.json)
 #   LIFECYCLE_FSX_WAIT_S            how long to wait for the FSx mount (default 300)
 #   LIFECYCLE_ENV_LOCK_TIMEOUT_S    how long to wait for another node's env build (default 3600)
+#   LIFECYCLE_MIN_PYTHON            oldest Python the envs may be built with (default 3.11)
 
 # Started as `sh on_create.sh`? Re-run under bash before anything bash-only.
 if [ -z "${BASH_VERSION:-}" ]; then exec bash "$0" "$@"; fi
@@ -79,8 +81,10 @@ main() {
   run_step package install_package.sh
   run_step profile node_profile.sh
   case $NODE_ROLE in
-    gpu) run_step env-gpu python_env.sh gpu ;;
-    trn) run_step env-neuron python_env.sh neuron ;;
+    gpu) run_step env-gpu python_env.sh gpu build ;;
+    trn) run_step env-neuron python_env.sh neuron build ;;
+    # Researchers run the package's entrypoints on the login node with the GPU env.
+    login) run_step env-gpu python_env.sh gpu use ;;
   esac
   run_step ready readiness.sh
   log "READY node=$NODE_NAME role=$NODE_ROLE in $((SECONDS - started))s"

@@ -2,7 +2,11 @@
 # Step "env-gpu" / "env-neuron": the backend's Python environment on FSx, built ONCE per
 # cluster however many nodes boot at the same time.
 #
-#   python_env.sh gpu|neuron
+#   python_env.sh gpu|neuron [build|use]
+#
+# build (gpu/trn nodes): build the env if no node has, wait for it otherwise, verify it.
+# use (login node): only make sure this node has the base Python the env links to (a venv's
+# bin/python points at the node-local interpreter), and check the env if it is ready yet.
 #
 # The env lives at <envs.KIND>-<key> with <envs.KIND> (the path in the profile) a symlink to
 # it. <key> hashes the requirements file, the pip index and the base Python, so a package
@@ -39,10 +43,42 @@ case $kind in
   *) die "usage: python_env.sh gpu|neuron (got '$kind')" ;;
 esac
 
+mode=${2:-build}
+[[ $mode == build || $mode == use ]] || die "usage: python_env.sh gpu|neuron [build|use] (got '$mode')"
 requirements="$FSX/platform/$CFG_PACKAGE_HASH/training/requirements-$kind.txt"
 lock_timeout=${LIFECYCLE_ENV_LOCK_TIMEOUT_S:-3600}
-base_python=python3
+# The training pins need Python >= 3.11 (numpy 2.4, diffusers 0.42 and transformers 5.2x
+# publish nothing for 3.10, the python3 of Ubuntu 22.04 AMIs); 3.11 is also a version every
+# Neuron SDK 2.2x wheel supports, so it is tried first.
+min_python=${LIFECYCLE_MIN_PYTHON:-3.11}
 [[ -r $requirements ]] || die "no $requirements in package $CFG_PACKAGE_HASH; the training package must ship it"
+
+# python_version EXE: "3.11" (fails if EXE does not run).
+python_version() {
+  "$1" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null
+}
+
+# pick_base_python: sets base_python to the first interpreter >= min_python.
+pick_base_python() {
+  local exe version
+  for exe in "python$min_python" python3.11 python3.12 python3; do
+    command -v "$exe" >/dev/null 2>&1 || continue
+    version=$(python_version "$exe") || continue
+    if [[ $(printf '%s\n' "$min_python" "$version" | sort -V | head -n 1) == "$min_python" ]]; then
+      base_python=$exe
+      return 0
+    fi
+  done
+  return 1
+}
+
+if ! pick_base_python; then
+  log "no Python >= $min_python here (python3 is $(python_version python3 || echo missing)); installing python$min_python"
+  apt_install "python$min_python" "python$min_python-venv" \
+    || die "no Python >= $min_python on this node (python3 is $(python_version python3 || echo missing)) and apt-get install python$min_python python$min_python-venv failed; the training requirements need it"
+  pick_base_python || die "python$min_python is still missing after apt-get install"
+fi
+log "base Python: $(command -v "$base_python") ($(python_version "$base_python"))"
 
 key=$({
   cat "$requirements"
@@ -65,11 +101,13 @@ build_env() {
   rm -rf "$target"
   trap 'rm -rf "$target"' EXIT
   if ! "$base_python" -m venv "$target"; then
-    # Ubuntu ships venv's ensurepip in a separate package.
-    log "python3 cannot create a venv; installing python3-venv"
-    apt_install python3-venv || die "python3 cannot create a venv and apt-get install python3-venv failed"
+    # Ubuntu ships venv's ensurepip in a separate package (python3.X-venv).
+    local venv_package
+    venv_package="python$(python_version "$base_python")-venv"
+    log "$base_python cannot create a venv; installing $venv_package"
+    apt_install "$venv_package" || die "$base_python cannot create a venv and apt-get install $venv_package failed"
     rm -rf "$target"
-    "$base_python" -m venv "$target" || die "python3 -m venv $target failed"
+    "$base_python" -m venv "$target" || die "$base_python -m venv $target failed"
   fi
   local status=0
   # --no-cache-dir: the wheels (GBs for torch + CUDA) would only fill the root volume twice.
@@ -98,6 +136,15 @@ check_imports() {
   import_error=$("$env/bin/python" -I -c "$code" 2>&1 | tail -n 1) && return 0
   return 1
 }
+
+if [[ $mode == use ]]; then
+  if is_ready && check_imports "$link"; then
+    log "env $link imports ${imports[*]}"
+  else
+    log "env $link is not ready yet; the first $kind node to boot builds it (this node has its base Python)"
+  fi
+  exit 0
+fi
 
 if is_ready && [[ $(readlink "$link" 2>/dev/null) == "$(basename "$target")" ]]; then
   log "env $link -> $(basename "$target") is already built and ready"

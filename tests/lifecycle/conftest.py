@@ -40,8 +40,9 @@ STANDINS = {
     "nvidia-smi": 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-standin-0)"',
     # neuron-ls on a trn1: the Neuron driver answers with its device table.
     "neuron-ls": 'echo "instance-type: trn1.32xlarge (standin)"',
-    # apt-get must never run in tests (the AMIs used here have python3-venv).
-    "apt-get": 'echo "apt-get stand-in: tests never install packages" >&2\nexit 1',
+    # apt-get on a node whose repositories lack the package: `update` works, `install` fails
+    # (tests never install anything on this machine).
+    "apt-get": 'case " $* " in *" install "*) echo "E: Unable to locate package (stand-in)" >&2; exit 100;; esac',
 }
 
 ROLES = {"controller": "controller", "login": "login", "gpu": "gpu", "trn": "trn"}

@@ -19,7 +19,7 @@ from conftest import LOG_LINE, NODES, Cluster, make_bundle
 
 STEPS = {
     "controller": ["settings", "identity", "fsx", "dirs", "package", "profile", "ready"],
-    "login": ["settings", "identity", "fsx", "dirs", "package", "profile", "ready"],
+    "login": ["settings", "identity", "fsx", "dirs", "package", "profile", "env-gpu", "ready"],
     "gpu": ["settings", "identity", "fsx", "dirs", "package", "profile", "env-gpu", "ready"],
     "trn": ["settings", "identity", "fsx", "dirs", "package", "profile", "env-neuron", "ready"],
 }
@@ -91,9 +91,11 @@ def test_concurrent_boot_builds_each_env_exactly_once(cluster):
     # The other node of each group waited for the lock and found the env ready.
     waited = [n for n in ("gpu-1", "gpu-2", "trn-1", "trn-2") if "was built by" in c.log(n)]
     assert len(waited) == 2, waited
-    # Controller and login build nothing and do not wait for any env.
-    for node in ("controller-1", "login-1"):
-        assert "env" not in " ".join(re.findall(r"\[on_create\] step (\S+)", c.log(node)))
+    # Controller and login build nothing and never wait for the build lock; the login node
+    # only makes sure it has the base Python the GPU env links to.
+    assert "env" not in " ".join(re.findall(r"\[on_create\] step (\S+)", c.log("controller-1")))
+    login = c.log("login-1")
+    assert "base Python: " in login and "building env" not in login and "build lock" not in login
 
 
 def test_log_has_every_step_in_order_with_timestamps(cluster):
@@ -205,7 +207,7 @@ def test_accelerator_nodes_ask_their_driver(cluster):
     assert "nvidia-smi --list-gpus" in calls("gpu-1") and "neuron-ls" not in calls("gpu-1")
     assert "neuron-ls" in calls("trn-1") and "nvidia-smi" not in calls("trn-1")
     assert "nvidia-smi" not in calls("controller-1") and "neuron-ls" not in calls("controller-1")
-    assert "apt-get" not in "".join(calls(n) for n in NODES)
+    assert "apt-get" not in "".join(calls(n) for n in NODES)  # these AMIs have Python >= 3.11 + venv
 
 
 def test_rerun_is_idempotent(cluster):
@@ -333,6 +335,18 @@ def test_failed_env_build_is_never_marked_ready(make_cluster, wheels):
     # (that path is the concurrent-boot test's first builder).
     with open(c.fsx / "envs/.locks/gpu.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_node_without_a_new_enough_python_fails_naming_the_package(make_cluster):
+    """Stands for an AMI whose python3 is too old: the step tries apt-get (a failing stand-in)."""
+    c = make_cluster()
+    step, cause = failure(c.run("gpu-1", LIFECYCLE_MIN_PYTHON="3.99"))
+    assert step == "env-gpu"
+    assert cause.startswith("no Python >= 3.99 on this node (python3 is 3.")
+    assert "apt-get install python3.99 python3.99-venv failed" in cause
+    assert "apt-get -q -y -o DPkg::Lock::Timeout=300 install --no-install-recommends python3.99 python3.99-venv" in \
+        (c.root("gpu-1") / "standin-calls.log").read_text()
+    assert ready_markers(c.fsx) == [] and c.builds() == []
 
 
 def test_waiting_for_another_nodes_build_times_out_in_one_line(make_cluster):
