@@ -393,8 +393,10 @@ def run(cfg: PrecomputeConfig) -> dict[str, Any] | None:
     text_dim = models.text_encoder.config.hidden_size
     scaling = float(models.vae.config.scaling_factor) if models.vae is not None else None
     total = sum(len(u.pairs) for u in todo) if all(u.tar is None for u in todo) else None
+    # In a batch job's log (no TTY) a progress line every 60 s rather than none at all.
+    interactive = sys.stderr.isatty()
     with ThreadPoolExecutor(cfg.io_workers) as pool, tqdm(total=total, unit="img", desc=f"rank {cfg.rank}",
-                                                          disable=None) as progress:
+                                                          mininterval=0.5 if interactive else 60) as progress:
         for unit in todo:
             samples, latent_shape, skipped = encode_unit(unit, models, cfg, work, pool, progress)
             entry = (write_shard(out.staging / unit.name, samples) if samples

@@ -136,6 +136,10 @@ def test_folder_end_to_end_and_resume(models, loaded, tmp_path: Path, capsys):
     assert after["shard-00001.tar"] != before["shard-00001.tar"]
     assert again["shards"] == index["shards"]  # deterministic: the redone shard is byte-identical
 
+    # --merge-only rebuilds the index from the markers alone
+    (out / "index.json").unlink()
+    assert main(args(models, raw, out, "--samples-per-shard", "4", "--merge-only")) == again
+
 
 @pytest.mark.slow
 def test_two_ranks_under_torchrun(models, tmp_path: Path):
