@@ -1,11 +1,12 @@
-"""The training job scripts, submitted with sbatch to real Slurm daemons on localhost.
+"""The job scripts, submitted with sbatch to real Slurm daemons on localhost.
 
 Each job runs the real entrypoint under torchrun through training/slurm/launch.sh, with the
 tiny preset on CPU: 2 ranks over gloo for the GPU script, PJRT CPU in .venv-xla for the
-Trainium one. The node profile is a temp file in the lifecycle format pointing every SANA_*
-path into a temp "FSx", so the paths asserted here are the ones runbooks/train-slurm.md
-documents: checkpoints in $SANA_CHECKPOINT_ROOT/<job name>/checkpoints/step-XXXXXXXX/, logs
-in $SANA_LOG_ROOT/<job name>-<job id>/.
+Trainium one. The node profiles are the ones lifecycle_scripts/node_profile.sh writes (run
+for real, one per partition's role) with a temp "FSx", so the paths asserted here are the
+ones runbooks/train-slurm.md documents: checkpoints in
+$SANA_CHECKPOINT_ROOT/<job name>/checkpoints/step-XXXXXXXX/, logs in
+$SANA_LOG_ROOT/<job name>-<job id>/.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import re
 import socket
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,17 +40,18 @@ JOB_TIMEOUT = 420
 
 @dataclass
 class Site:
-    """A temp stand-in for the cluster: FSx root, node profile, features, submit dir."""
+    """A temp stand-in for the cluster: FSx root, node profiles per role, features, submit dir."""
 
     fsx: Path
-    profile: Path
+    profiles: dict[str, Path]
     features: Path
     submit_dir: Path
 
-    def env(self, **extra: str) -> dict[str, str]:
-        # Only what the login node's shell would add; the rest comes from the node profile.
+    def env(self, role: str = "gpu", **extra: str) -> dict[str, str]:
+        """What `sbatch` inherits from a login shell, with the node profile of ``role``'s
+        partition (one localhost node plays both, so each job names its profile)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("SANA_")}
-        env.update(SANA_PROFILE=str(self.profile), SANA_HYPERPOD_DIR=str(self.fsx / "no-hyperpod-here"))
+        env.update(SANA_PROFILE=str(self.profiles[role]), SANA_HYPERPOD_DIR=str(self.fsx / "no-hyperpod-here"))
         env.update(extra)
         return env
 
@@ -59,21 +62,18 @@ class Site:
         return self.fsx / "logs" / f"{job_name}-{job_id}"
 
 
-def write_profile(path: Path, fsx: Path, rdzv_port: int) -> None:
-    """A node profile as lifecycle writes it (CONTRACT.md), pointing into the temp FSx."""
-    path.write_text("\n".join([
-        "# sana-platform node profile (test copy)",
-        "export SANA_ROLE=gpu",
-        f"export SANA_FSX={fsx}",
-        f"export SANA_PLATFORM_DIR={REPO}",
-        f"export SANA_ENV_GPU={REPO / '.venv'}",
-        f"export SANA_ENV_NEURON={REPO / '.venv-xla'}",
-        f"export SANA_CHECKPOINT_ROOT={fsx / 'checkpoints'}",
-        f"export SANA_LOG_ROOT={fsx / 'logs'}",
-        f"export SANA_DATA_ROOT={fsx / 'data'}",
-        f"export SANA_RDZV_PORT={rdzv_port}",
-        "",
-    ]))
+def write_node_profile(node_root: Path, *, role: str, fsx: Path, rdzv_port: int) -> Path:
+    """The node profile exactly as provisioning writes it: lifecycle_scripts/node_profile.sh
+    run for real (PLATFORM_ROOT keeps it in a temp dir), with FSx and the envs pointed here."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SANA_")}
+    env.update(PLATFORM_ROOT=str(node_root), NODE_ROLE=role, NODE_GROUP=role, FSX=str(fsx),
+               ENV_GPU_DIR=str(REPO / ".venv"), ENV_NEURON_DIR=str(REPO / ".venv-xla"),
+               CFG_RDZV_PORT=str(rdzv_port), CFG_REGION="us-east-1", CFG_PROJECT="sana-test",
+               CFG_CLUSTER_NAME="localhost", CFG_ARTEFACTS_BUCKET="artefacts", CFG_DATA_BUCKET="data")
+    proc = subprocess.run(["bash", str(REPO / "lifecycle_scripts" / "node_profile.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"lifecycle_scripts/node_profile.sh failed: {proc.stderr}"
+    return node_root / "etc" / "profile.d" / "sana-platform.sh"
 
 
 def free_port() -> int:
@@ -91,11 +91,12 @@ def site(tmp_path_factory) -> Site:
     features = fsx / "data" / "tiny-features"
     write_synthetic_features(features, num_samples=64, latent_shape=(4, 32, 32), text_dim=8,
                              max_text_tokens=16, seed=0)
-    profile = root / "sana-platform.sh"
-    write_profile(profile, fsx, free_port())
+    port = free_port()
+    profiles = {role: write_node_profile(root / f"node-{role}", role=role, fsx=fsx, rdzv_port=port)
+                for role in ("gpu", "trn")}
     submit_dir = root / "home"
     submit_dir.mkdir()
-    return Site(fsx=fsx, profile=profile, features=features, submit_dir=submit_dir)
+    return Site(fsx=fsx, profiles=profiles, features=features, submit_dir=submit_dir)
 
 
 def train_args(site: Site) -> tuple[str, ...]:
@@ -282,7 +283,7 @@ def test_train_trainium_sbatch_runs_tiny_on_pjrt_cpu_on_partition_trn(slurm_clus
     job_id = slurm_cluster.sbatch(SLURM_DIR / "train-trainium.sbatch", str(TINY), "--set", f"data.path={site.features}",
                                   "--set", "checkpoint.every_steps=2", "--set", "tensorboard=false", "--max-steps", "4",
                                   options=(f"--job-name={job_name}",),
-                                  env=site.env(SANA_NPROC_PER_NODE="1", PJRT_DEVICE="CPU"), cwd=site.submit_dir)
+                                  env=site.env("trn", SANA_NPROC_PER_NODE="1", PJRT_DEVICE="CPU"), cwd=site.submit_dir)
     info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
     assert info["JobState"] == "COMPLETED", job_failure(slurm_cluster, site, info, job_name, job_id)
     assert info["Partition"] == "trn"
@@ -290,7 +291,7 @@ def test_train_trainium_sbatch_runs_tiny_on_pjrt_cpu_on_partition_trn(slurm_clus
     run_dir = site.run_dir(job_name)
     assert complete_checkpoints(run_dir) == [2, 4]
     job_log = (site.log_dir(job_name, job_id) / "job.log").read_text()
-    assert f"env {REPO / '.venv-xla'}" in job_log  # SANA_ENV_NEURON from the node profile
+    assert f"env {REPO / '.venv-xla'}" in job_log  # SANA_ENV_NEURON from the trn node profile
     summary = json.loads(re.findall(r"^0: \[default0\]:(\{.*\"compiles\".*\})$", job_log, re.M)[-1])
     assert summary["steps"] == 4 and summary["compiles"] >= 1  # the XLA backend ran the steps
     assert f"NEURON_RT_ROOT_COMM_ID={slurm_cluster.node}:46820" in job_log
