@@ -262,3 +262,16 @@ def test_outputs(default):
     outputs = set(default.templates["Cluster"]["Outputs"]) | set(default.templates["Storage"]["Outputs"])
     assert {"ClusterName", "ClusterArn", "DataBucket", "ArtefactsBucket", "LifecycleBucket", "LifecycleUri",
             "FsxDnsName", "FsxMountName", "FeaturesUri", "CheckpointMirrorUri", "NeuronCompileCacheUri"} <= outputs
+
+
+def test_uploaded_files_are_exactly_the_hashed_files(default):
+    """The asset's exclusions (CDK globs) and package_hash's must agree, or the hash would lie."""
+    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_files
+
+    if not default.package_hash:
+        pytest.skip("lifecycle_scripts/ or training/ changed while synthesizing")
+    assets = [d for d in default.outdir.glob("asset.*") if d.is_dir()]
+    listed = {tuple(sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())) for d in assets}
+    for root in (LIFECYCLE_DIR, TRAINING_DIR):
+        expected = tuple(sorted(p.relative_to(root).as_posix() for p in package_files(root)))
+        assert expected in listed, root
