@@ -266,10 +266,10 @@ def test_outputs(default):
 
 def test_uploaded_files_are_exactly_the_hashed_files(default):
     """The asset's exclusions (CDK globs) and package_hash's must agree, or the hash would lie."""
-    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_files
+    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_files, package_hash
 
-    if not default.package_hash:
-        pytest.skip("lifecycle_scripts/ or training/ changed while synthesizing")
+    if not default.package_hash or package_hash(LIFECYCLE_DIR, TRAINING_DIR) != default.package_hash:
+        pytest.skip("lifecycle_scripts/ or training/ changed since the synth (shared checkout)")
     assets = [d for d in default.outdir.glob("asset.*") if d.is_dir()]
     listed = {tuple(sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())) for d in assets}
     for root in (LIFECYCLE_DIR, TRAINING_DIR):
