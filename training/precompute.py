@@ -195,6 +195,9 @@ def unit_samples(unit: Unit, work: Path) -> Iterator[tuple[str, bytes, str]]:
                     tar.extractfile(m).read())
     except tarfile.TarError as exc:
         raise UserError(f"{unit.tar}: not a readable tar ({exc}); fix or remove it") from None
+    finally:
+        if path != Path(unit.tar):
+            path.unlink(missing_ok=True)  # a downloaded input tar is read once
     for key in sorted(groups):
         parts = groups[key]
         image = next((parts[e] for e in ("jpg", "jpeg", "png", "webp") if e in parts), None)
@@ -303,7 +306,7 @@ class Output:
 
     def write_index(self, markers: Sequence[dict[str, Any]], null: torch.Tensor, created_by: dict[str, Any]
                     ) -> dict[str, Any]:
-        first = markers[0]
+        first = next((m for m in markers if m["samples"]), markers[0])
         for m in markers:
             for key in ("latent_shape", "text_dim", "max_text_tokens", "vae_scaling_factor"):
                 if m["samples"] and m[key] != first[key]:

@@ -204,3 +204,14 @@ def test_user_errors_are_one_line(models, tmp_path: Path, capsys, s3_bucket: str
     bad[bad.index("--vae") + 1] = str(tmp_path / "no-vae")
     with pytest.raises(UserError, match="--vae .*no-vae: no such directory"):
         main.__wrapped__(bad)
+
+
+def test_shard_with_only_unreadable_images_is_left_out(models, tmp_path: Path):
+    raw = tmp_path / "raw"
+    write_image_caption_folder(raw, num=2, seed=4)
+    (raw / "0-broken.png").write_bytes(b"\x89PNG truncated")
+    (raw / "0-broken.txt").write_text("a red ring\n")
+    index = main(args(models, raw, tmp_path / "out", "--samples-per-shard", "1"))
+    assert [(s["name"], s["samples"]) for s in index["shards"]] == [("shard-00001.tar", 1), ("shard-00002.tar", 1)]
+    assert json.loads((tmp_path / "out" / "shard-00000.json").read_text())["skipped"] == ["0-broken"]
+    assert next(FeatureLoader(tmp_path / "out", batch_size=2, prefetch=0))["latents"].shape == (2, 4, 32, 32)
