@@ -48,8 +48,8 @@ mode=${2:-build}
 requirements="$FSX/platform/$CFG_PACKAGE_HASH/training/requirements-$kind.txt"
 lock_timeout=${LIFECYCLE_ENV_LOCK_TIMEOUT_S:-3600}
 # The training pins need Python >= 3.11 (numpy 2.4, diffusers 0.42 and transformers 5.2x
-# publish nothing for 3.10, the python3 of Ubuntu 22.04 AMIs); 3.11 is also a version every
-# Neuron SDK 2.2x wheel supports, so it is tried first.
+# publish nothing for 3.10, the python3 of Ubuntu 22.04 AMIs). The oldest that works is tried
+# first: Neuron's compiler/runtime wheels follow new Python releases late.
 min_python=${LIFECYCLE_MIN_PYTHON:-3.11}
 [[ -r $requirements ]] || die "no $requirements in package $CFG_PACKAGE_HASH; the training package must ship it"
 
