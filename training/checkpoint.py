@@ -536,7 +536,9 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for the S3 mirror to finish every queued upload."""
         if self.mirror is not None:
-            self.mirror.close()
+            # An hour covers a 1.6B checkpoint (~19 GB) at ~6 MB/s; a blackholed S3 endpoint
+            # must not hold the job (and its nodes) forever.
+            self.mirror.close(timeout_s=3600)
             self._prune()
             self.mirror = None
 

@@ -104,12 +104,19 @@ class S3Mirror:
         with self._cond:
             self._cond.wait_for(lambda: not self._queue and self._active is None)
 
-    def close(self) -> None:
-        """Drain the queue, then stop the thread. Failures are logged, not raised."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Drain the queue, then stop the thread. Failures are logged, not raised.
+
+        After ``timeout_s`` the upload in flight is abandoned (the daemon thread dies with the
+        process; its manifest was not uploaded, so S3 holds no checkpoint that looks complete).
+        """
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.error("S3 mirror %s: still uploading %s after %.0f s; giving up on it", self.dest,
+                      self._active, timeout_s)
         if self.failed:
             log.error("S3 mirror %s: steps %s did not upload; their local copies are complete",
                       self.dest, self.failed)
