@@ -136,6 +136,21 @@ def test_resume_continues_exactly(features: Path, taken: int):
     resumed.close()
 
 
+def test_resume_on_another_world_size_keeps_the_sample_offset(features: Path):
+    before = FeatureLoader(features, batch_size=4, world_size=1, seed=5, prefetch=0)
+    for _ in range(5):  # 20 samples of epoch 0 consumed
+        next(before)
+    state = before.state_dict()
+    after = [FeatureLoader(features, batch_size=2, rank=r, world_size=2, seed=5, prefetch=0) for r in range(2)]
+    for loader in after:
+        loader.load_state_dict(state)
+    assert (after[0].epoch, after[0].step) == (0, 5)  # global batch 4 either way
+    assert sample_ids(next(after[0])) + sample_ids(next(after[1])) == sample_ids(next(before))
+    odd = FeatureLoader(features, batch_size=3, seed=5, prefetch=0)
+    odd.load_state_dict(state)
+    assert (odd.epoch, odd.step) == (0, 6)  # 20 // 3: rounded down to a whole step
+
+
 def test_resume_rejects_other_data_or_seed(features: Path):
     state = FeatureLoader(features, batch_size=4, seed=5, prefetch=0).state_dict()
     with pytest.raises(UserError, match="seed"):
