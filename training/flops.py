@@ -207,10 +207,37 @@ def accelerator_for_instance(instance_type: str) -> str | None:
     return spec.accelerator if spec else None
 
 
+#: Nitro instances report their EC2 type as the DMI product name (e.g. "trn1.32xlarge")
+_DMI_PRODUCT = "/sys/devices/virtual/dmi/id/product_name"
+
+
+def host_instance_type() -> str | None:
+    """This host's instance type ("ml." + the EC2 type from DMI on Nitro), or None elsewhere."""
+    try:
+        with open(_DMI_PRODUCT) as fh:
+            product = fh.read().strip()
+    except OSError:
+        return None
+    return f"ml.{product}" if "." in product else None
+
+
+def resolve_accelerator(accelerator: str | None) -> str | None:
+    """A backend's device name -> a key of ``ACCELERATORS``, or None. Generic names that do
+    not say which generation (torch-xla's "neuroncore") are resolved by this host's
+    instance type."""
+    if accelerator in ACCELERATORS:
+        return accelerator
+    if accelerator and accelerator.lower() == "neuroncore":
+        instance = host_instance_type()
+        return accelerator_for_instance(instance) if instance else None
+    return None
+
+
 def peak_tflops(accelerator: str | None, precision: str) -> float | None:
     """Dense peak for ``precision`` ("bf16", "bf16-mixed" -> bf16; "fp32" -> fp32/TF32), or None
     for an unknown accelerator (a CPU: no meaningful published peak, so no MFU)."""
-    if accelerator is None or accelerator not in ACCELERATORS:
+    accelerator = resolve_accelerator(accelerator)
+    if accelerator is None:
         return None
     table = PEAK_FP32_TFLOPS if precision == "fp32" else PEAK_TFLOPS
     return table[accelerator]

@@ -59,3 +59,15 @@ def test_peaks_and_mfu():
     assert flops.mfu(0.95e12, 520.6, "H100-SXM", "bf16-mixed") == pytest.approx(0.95 * 520.6 / 989, rel=1e-9)
     assert flops.mfu(1e9, 10.0, None, "fp32") is None
     assert flops.peak_tflops("NeuronCore-v2", "fp32") == 23.75
+
+
+def test_generic_neuroncore_name_resolves_by_host_instance_type(monkeypatch, tmp_path):
+    assert flops.resolve_accelerator("H100-SXM") == "H100-SXM"
+    assert flops.resolve_accelerator("cpu") is None
+    dmi = tmp_path / "product_name"
+    dmi.write_text("trn1.32xlarge\n")
+    monkeypatch.setattr(flops, "_DMI_PRODUCT", str(dmi))
+    assert flops.resolve_accelerator("neuroncore") == "NeuronCore-v2"
+    assert flops.peak_tflops("neuroncore", "bf16-mixed") == 95.0
+    dmi.write_text("trn2.48xlarge\n")
+    assert flops.resolve_accelerator("neuroncore") == "NeuronCore-v3-LNC2"
