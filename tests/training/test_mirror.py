@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import boto3
+import pytest
 from faultproxy import FaultProxy
 
 from training import s3 as s3lib
@@ -177,3 +178,17 @@ def test_mirror_gives_up_cleanly_when_s3_is_unreachable(tmp_path, s3_bucket):
     assert mirror.failed == [1] and mirror.uploaded == []
     assert remote_checkpoints(f"s3://{s3_bucket}/runs/d") == []
     assert verify(path) is not None
+
+
+def test_fault_proxy_is_bounded_and_loopback_only(s3_endpoint, s3_bucket):
+    with pytest.raises(ValueError, match="loopback"):
+        FaultProxy("http://s3.amazonaws.com")
+    with pytest.raises(ValueError, match="must be in"):
+        FaultProxy(s3_endpoint, error_rate=0.6, drop_rate=0.4)
+    with FaultProxy(s3_endpoint, error_rate=0.9, max_faults=3, seed=1) as proxy:
+        assert proxy.url.startswith("http://127.0.0.1:")
+        s3 = s3lib.client(proxy.url)  # botocore retries through the injected 5xx
+        for i in range(10):
+            s3.put_object(Bucket=s3_bucket, Key=f"k{i}", Body=b"x")
+    assert proxy.faults == 3 and proxy.stats["requests"] == 13
+    assert s3lib.list_keys(f"s3://{s3_bucket}/") == [f"k{i}" for i in range(10)]
