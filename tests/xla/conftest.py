@@ -16,6 +16,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# What NeuronBackend.init() sets; set here too so an XLA op that runs before the first
+# backend (torch-xla reads it once) sees the same graphs.
+os.environ.setdefault("XLA_NO_SPECIAL_SCALARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import importlib.util  # noqa: E402

@@ -15,13 +15,9 @@ MAX_TEXT_TOKENS = 8
 BATCH = 4
 
 
-def tiny_config(features: Path, output_dir: Path, **overrides: Any):
-    """The TrainConfig the XLA training tests share (same graph -> compiled once per session).
-
-    ``overrides`` use ``__`` for nesting: ``checkpoint__resume="auto"``.
-    """
-    from training.config import config_from_dict
-
+def tiny_tree(features: Path, output_dir: Path, **overrides: Any) -> dict[str, Any]:
+    """The config (as YAML would give it) every XLA training test shares: the same graph,
+    compiled once per session. ``overrides`` nest with ``__``: ``checkpoint__resume="auto"``."""
     tree: dict[str, Any] = {
         "model": {"preset": "tiny"},
         "data": {"path": str(features), "batch_size": BATCH, "prefetch": 0},
@@ -41,7 +37,14 @@ def tiny_config(features: Path, output_dir: Path, **overrides: Any):
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
-    return config_from_dict(tree)
+    return tree
+
+
+def tiny_config(features: Path, output_dir: Path, **overrides: Any):
+    """``tiny_tree`` as a validated TrainConfig."""
+    from training.config import config_from_dict
+
+    return config_from_dict(tiny_tree(features, output_dir, **overrides))
 
 
 def fixed_draws(steps: int, seed: int = 7) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -67,6 +67,7 @@ PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 #: set by the backend in precision "bf16"; see the module docstring
 STOCHASTIC_ROUNDING_ENV = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
 COMPILE_CACHE_ENV = "NEURON_COMPILE_CACHE_URL"
+NO_SPECIAL_SCALARS_ENV = "XLA_NO_SPECIAL_SCALARS"
 
 
 def neuron_status() -> tuple[bool, str]:
@@ -109,6 +110,12 @@ def apply_neuron_env(cfg: NeuronConfig, precision: str, env: dict[str, str] | No
             raise UserError(f"{STOCHASTIC_ROUNDING_ENV}={current}: precision 'bf16' keeps bf16 weights and "
                             "needs stochastic rounding or small updates round away; unset it (the backend "
                             "sets 1), use precision 'bf16-mixed', or set trainium.stochastic_rounding=false")
+    if NO_SPECIAL_SCALARS_ENV not in env:
+        # torch-xla bakes the Python scalars 0 and 1 into the graph as constants (any other
+        # value is a graph input). A learning rate that lands on exactly 0.0 (cosine at its end,
+        # a resumed run whose max_steps changed, warm-up from 0) would compile a new graph
+        # (minutes for 600M on Neuron). Measured in tests/xla/test_checkpoint_cross.py.
+        put(NO_SPECIAL_SCALARS_ENV, "1")
     if cfg.compile_cache_url:
         put(COMPILE_CACHE_ENV, cfg.compile_cache_url)
     if cfg.cc_flags:
