@@ -229,14 +229,24 @@ def fetch_checkpoint(url: str, local_root: str | Path, s3=None) -> Path | None:
     local_root.mkdir(parents=True, exist_ok=True)
     try:
         manifest_bytes = s3lib.get_bytes(src.join(MANIFEST), s3=s3)
-    except UserError:
+    except UserError as exc:
+        if "no such object" not in str(exc):
+            raise  # access denied, no bucket: say so rather than "no checkpoint"
         log.warning("%s: no manifest on S3; not a complete checkpoint", src)
         return None
-    manifest = json.loads(manifest_bytes)
+    try:
+        manifest = json.loads(manifest_bytes)
+        files = dict(manifest["files"])
+    except (ValueError, KeyError, TypeError):
+        log.warning("%s: manifest.json is not a checkpoint manifest; skipping", src)
+        return None
+    if any("/" in name or "\\" in name or name.startswith(".") for name in files):
+        log.warning("%s: manifest.json names files outside the checkpoint directory; skipping", src)
+        return None
     tmp = local_root / f".tmp-fetch-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    for fname, meta in manifest["files"].items():
+    for fname, meta in files.items():
         s3lib.download_file(src.join(fname), tmp / fname, s3=s3)
         if sha256_file(tmp / fname) != meta["sha256"]:
             log.warning("%s/%s: sha256 differs from its manifest; not using this checkpoint", src, fname)
