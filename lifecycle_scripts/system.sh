@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Thin wrappers, one per command that only works on a real HyperPod node. Each is the one
 # command line and nothing else: the tests put small stand-ins for these commands first on
-# PATH (tests/lifecycle/test_on_create.py says what each stand-in stands for).
+# PATH (tests/lifecycle/lifecycle_cluster.py says what each stand-in stands for).
 
 # This node's IPv4 addresses, space separated (HyperPod's resource config names a node
 # only by its CustomerIpAddress, so the node finds its group through these).

@@ -1,4 +1,6 @@
-"""A pretend HyperPod cluster on this machine for running lifecycle_scripts/on_create.sh for real.
+"""Helpers for tests/lifecycle (named uniquely: several test dirs have a conftest.py).
+
+A pretend HyperPod cluster on this machine for running lifecycle_scripts/on_create.sh for real.
 
 Each node gets its own root filesystem (a temp dir passed as PLATFORM_ROOT) whose `fsx`
 is a symlink to one shared directory, the way every node sees the same FSx for Lustre.
@@ -20,12 +22,9 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "lifecycle_scripts"
@@ -96,27 +95,6 @@ def build_wheel(dist: Path, name: str) -> Path:
                                     "Tag: py3-none-any\n")
         z.writestr(f"{info}/RECORD", f"{name}/__init__.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
     return wheel
-
-
-@pytest.fixture(scope="session")
-def standins(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    bin_dir = tmp_path_factory.mktemp("standin-bin")
-    for name, body in STANDINS.items():
-        path = bin_dir / name
-        path.write_text(f'#!/bin/sh\n[ -n "$STANDIN_LOG" ] && echo "{name} $*" >>"$STANDIN_LOG"\n{body}\n')
-        path.chmod(0o755)
-    # The node's python3 is this machine's interpreter, put first on PATH directly (not through
-    # a version-manager shim, which costs ~50 ms a call).
-    real_python = Path(os.path.realpath(sys.executable))
-    for name in ("python3", "python3.11"):
-        (bin_dir / name).symlink_to(real_python)
-    return bin_dir
-
-
-@pytest.fixture(scope="session")
-def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    dist = tmp_path_factory.mktemp("wheels")
-    return {name: build_wheel(dist, name) for name in ("torch", "torch_xla")}
 
 
 def make_bundle(dest: Path, wheels: dict[str, Path], *, package_hash: str,
@@ -190,13 +168,3 @@ class Cluster:
         """Every 'building env' line in every node's log (one per env build started)."""
         return [line for node in NODES if (self.root(node) / "var/log/provision/provisioning.log").exists()
                 for line in self.log(node).splitlines() if "building env" in line]
-
-
-@pytest.fixture
-def make_cluster(tmp_path: Path, standins: Path, wheels: dict[str, Path]):
-    """Factory: a fresh cluster (own FSx) from a bundle with the given package hash/requirements."""
-    def make(name: str = "cluster", **bundle_kwargs) -> Cluster:
-        base = tmp_path / name
-        bundle_kwargs.setdefault("package_hash", "pkg0001")
-        return Cluster(base, make_bundle(base / "bundle", wheels, **bundle_kwargs), standins)
-    return make

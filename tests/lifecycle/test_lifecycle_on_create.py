@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LOG_LINE, NODES, Cluster, make_bundle
+from lifecycle_cluster import LOG_LINE, NODES, Cluster, make_bundle
 
 STEPS = {
     "controller": ["settings", "identity", "fsx", "dirs", "package", "profile", "ready"],
