@@ -4,11 +4,17 @@
 # shells source it; training/slurm/launch.sh sources it on every node of a job.
 # It is sourced by sh as well as bash (/etc/profile), so it is plain POSIX `export`s. It
 # holds no timestamp: re-provisioning writes the same bytes.
+#
+# Inputs (exported by on_create.sh from settings.env and node.env; tests/slurm runs this
+# script alone with exactly these to get real profiles): PLATFORM_ROOT, NODE_ROLE,
+# NODE_GROUP, FSX, ENV_GPU_DIR, ENV_NEURON_DIR, CFG_RDZV_PORT, CFG_REGION, CFG_PROJECT,
+# CFG_CLUSTER_NAME, CFG_ARTEFACTS_BUCKET, CFG_DATA_BUCKET.
 set -euo pipefail
 # shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 step_init
-require_vars NODE_ROLE NODE_GROUP FSX ENV_GPU_DIR ENV_NEURON_DIR CFG_RDZV_PORT CFG_REGION
+require_vars NODE_ROLE NODE_GROUP FSX ENV_GPU_DIR ENV_NEURON_DIR CFG_RDZV_PORT CFG_REGION CFG_PROJECT \
+  CFG_CLUSTER_NAME CFG_ARTEFACTS_BUCKET CFG_DATA_BUCKET
 
 # export_line NAME VALUE: `export NAME='VALUE'`, single-quoted for sh.
 export_line() {
