@@ -15,10 +15,14 @@ STATE_DIR="${PLATFORM_ROOT}/var/lib/sana-platform"
 PROFILE_PATH="${PLATFORM_ROOT}/etc/profile.d/sana-platform.sh"
 }
 
+# The [tag] of this script's log lines: the step name on_create.sh gives it, else the
+# script's own name (a step run alone).
+STEP_NAME=${STEP_NAME:-$(basename "$0" .sh)}
+
 # log MESSAGE...: one timestamped line on stdout; on_create.sh tees its stdout into
 # PROVISION_LOG, and HyperPod ships stdout to CloudWatch.
 log() {
-  printf '%s [%s] %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${STEP_NAME:-on_create}" "$*"
+  printf '%s [%s] %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$STEP_NAME" "$*"
 }
 
 # die CAUSE...: stop this step. The cause is handed to on_create.sh (STEP_ERROR_FILE),
