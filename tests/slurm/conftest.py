@@ -12,6 +12,7 @@ both into failures, so the Slurm tests can never silently stop running in CI.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -188,6 +189,14 @@ class SlurmCluster:
         return "\n".join(parts)
 
     def stop(self) -> None:
+        # A job a failed test left running would outlive slurmd (slurmstepd is its own
+        # process): cancel everything in this private cluster first and let the node drain.
+        if self.procs.get("slurmctld") is not None and self.procs["slurmctld"].poll() is None:
+            jobs = self.run("squeue", "-h", "-o", "%i", check=False).split()
+            if jobs:
+                self.run("scancel", *jobs, check=False)
+                with contextlib.suppress(TimeoutError):
+                    self.wait_node_idle(timeout=60)
         # Reverse start order: slurmd, slurmctld, then munged; each by the PID we started.
         for name in reversed(list(self.procs)):
             proc = self.procs[name]
