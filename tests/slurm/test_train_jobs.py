@@ -246,10 +246,10 @@ def test_bench_sbatch_on_hyperpod_gets_auto_resume_and_writes_its_result_where_t
     """Three launcher rules in one cheap job: bench.sbatch's result lands in the job's log
     dir; on HyperPod (marker dir present) srun gets --auto-resume=1 and accepts it; and a
     SANA_* variable exported at submit time (SANA_LOG_ROOT) wins over the node profile."""
-    if slurm_cluster.auto_resume_record is None:
-        pytest.skip("no C compiler to build the --auto-resume SPANK stub (tests/slurm/auto_resume_stub.c)")
+    stub = slurm_cluster.auto_resume_record is not None  # srun knows --auto-resume only with it
     marker = tmp_path / "opt-sagemaker_cluster"  # stands for /opt/sagemaker_cluster
-    marker.mkdir()
+    if stub:
+        marker.mkdir()
     own_logs = tmp_path / "my-logs"  # a researcher's `SANA_LOG_ROOT=... sbatch`
     job_name = "tiny-bench"
     env = site.env(SANA_NPROC_PER_NODE="1", SANA_HYPERPOD_DIR=str(marker), SANA_LOG_ROOT=str(own_logs))
@@ -266,6 +266,8 @@ def test_bench_sbatch_on_hyperpod_gets_auto_resume_and_writes_its_result_where_t
     assert result["instance_type"] == "local"
     assert not site.log_dir(job_name, job_id).exists()
 
+    if not stub:
+        pytest.skip("bench checked; the auto-resume part needs a C compiler for tests/slurm/auto_resume_stub.c")
     assert "srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1 --label --auto-resume=1" in (
         log_dir / "job.log").read_text()
     records = slurm_cluster.auto_resume_record.read_text().splitlines()
