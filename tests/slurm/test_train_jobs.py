@@ -201,6 +201,26 @@ def test_scancel_then_resubmit_continues_from_last_checkpoint_to_identical_weigh
     assert not different, f"{len(different)} tensors differ after resume, e.g. {different[:3]}"
 
 
+def test_resubmit_on_fewer_ranks_with_more_steps_trains_on_from_the_finished_run(
+        slurm_cluster: SlurmCluster, site: Site, uninterrupted: tuple[str, int]) -> None:
+    """runbooks/train-slurm.md "Change the node count" and "Train longer": same job name,
+    other worker count, higher --max-steps -> the run goes on from its last checkpoint."""
+    job_name, _ = uninterrupted
+    run_dir = site.run_dir(job_name)
+    job_id = slurm_cluster.sbatch(
+        SLURM_DIR / "train-gpu.sbatch", *train_args(site), "--max-steps", str(MAX_STEPS + EVERY),
+        options=(f"--job-name={job_name}",), env=site.env(SANA_NPROC_PER_NODE="1"), cwd=site.submit_dir)
+    info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
+    assert info["JobState"] == "COMPLETED", job_failure(slurm_cluster, site, info, job_name, job_id)
+
+    job_log = (site.log_dir(job_name, job_id) / "job.log").read_text()
+    assert re.search(rf"from step {MAX_STEPS} to {MAX_STEPS + EVERY}, global batch 4\b", job_log), job_log[-3000:]
+    state = json.loads((run_dir / "checkpoints" / f"step-{MAX_STEPS + EVERY:08d}" / "train_state.json").read_text())
+    assert state["world_size"] == 1
+    # 80 steps of 2 ranks x 4, then 10 steps of 1 rank x 4: the sample count carries over.
+    assert state["samples_seen"] == MAX_STEPS * 8 + EVERY * 4
+
+
 def test_a_config_error_fails_the_job_with_the_one_line_error_in_job_log(
         slurm_cluster: SlurmCluster, site: Site, tmp_path: Path) -> None:
     job_name = "tiny-bad-data"
