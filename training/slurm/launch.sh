@@ -236,6 +236,8 @@ run_node() {
   fi
   export PYTHONPATH=$PACKAGE_ROOT${PYTHONPATH:+:$PYTHONPATH}
 
+  # Every rank's stdout/stderr goes to its own file under ranks/<node>/; the console (and so
+  # job.log) carries local rank 0 of each node only, or 64 ranks x N nodes would bury it.
   local node
   node=$(hostname -s)
   echo "launch.sh: $node: torchrun nnodes=$SLURM_JOB_NUM_NODES nproc_per_node=$nproc rdzv=$head:$SANA_RDZV_PORT rdzv_id=$SLURM_JOB_ID -> ${entry[*]}"
@@ -248,6 +250,7 @@ run_node() {
     --max-restarts=0 \
     --log-dir="$SANA_JOB_LOG_DIR/ranks/$node" \
     --tee=3 \
+    --local-ranks-filter=0 \
     "${entry[@]}"
 }
 
