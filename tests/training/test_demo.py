@@ -1,0 +1,29 @@
+"""``python -m training.demo`` end to end at a few steps: every stage runs and leaves its output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from training.demo import main
+
+
+@pytest.mark.slow
+def test_demo_runs_every_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    threads = torch.get_num_threads()
+    try:
+        demo = main(["--out", str(tmp_path / "demo"), "--steps", "12"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "Where everything went:" in out
+    assert json.loads((demo.out / "features" / "index.json").read_text())["num_samples"] == demo.samples
+    assert demo.where["resumed from"].name == "step-00000006"
+    assert (demo.out / "run" / "checkpoints" / "step-00000012" / "manifest.json").exists()
+    steps = [json.loads(line)["step"] for line in (demo.out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 12
+    assert (demo.out / "export" / "transformer" / "config.json").exists()
+    assert (demo.out / "export" / "sample.png").stat().st_size > 0
