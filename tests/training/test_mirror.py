@@ -168,11 +168,14 @@ def test_mirror_survives_injected_5xx_and_dropped_connections(tmp_path, s3_endpo
 def test_mirror_gives_up_cleanly_when_s3_is_unreachable(tmp_path, s3_bucket):
     """S3 down for good: the step is recorded as failed, close() returns, nothing is raised into
     training and the local checkpoint stays complete."""
-    from conftest import free_port
+    import socket
 
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     path = make_checkpoint(tmp_path, 1, sizes={"model.safetensors": 10})
     mirror = S3Mirror(f"s3://{s3_bucket}/runs/d", attempts=2, backoff_s=0.01, botocore_attempts=1,
-                      endpoint_url=f"http://127.0.0.1:{free_port()}")
+                      endpoint_url=f"http://127.0.0.1:{port}")
     mirror.submit(path)
     mirror.close()
     assert mirror.failed == [1] and mirror.uploaded == []
