@@ -117,7 +117,8 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Full, unsharded CPU optimizer state keyed by parameter *name* (portable across
-        backends and world sizes). Collective: call on every rank."""
+        backends and world sizes). Collective: call on every rank. The format and helpers
+        that produce/consume it: training/backends/state.py."""
 
     @abc.abstractmethod
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
