@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from training import flops
 from training.backends.base import Backend, Batch
 from training.checkpoint import Checkpointer, TrainState
 from training.config import TrainConfig
@@ -85,16 +86,12 @@ def check_compatible(model_cfg: ModelConfig, model: nn.Module, index: FeatureInd
 
 
 def _throughput_fn(cfg: TrainConfig, backend: Backend, model: nn.Module, index: FeatureIndex):
-    """(samples/s per device -> MFU or None), and tokens per sample (image + padded text)."""
+    """(samples/s per device -> MFU or None), and tokens per sample: image tokens plus the
+    padded text tokens, the sequence lengths the step actually computes on."""
     c, h, w = index.latent_shape
     p = model.config.patch_size
     tokens = (h // p) * (w // p) + index.max_text_tokens
-    try:
-        from training import flops
-    except ImportError:  # bench's module missing: log throughput without MFU
-        return (lambda sps: None), tokens
-    kwargs = dict(model.config)
-    flops_per_sample = flops.train_flops_per_sample(kwargs, index.max_text_tokens, (h, w))
+    flops_per_sample = flops.train_flops_per_sample(dict(model.config), index.max_text_tokens, (h, w))
     accel = backend.describe().get("accelerator")
     return (lambda sps: flops.mfu(flops_per_sample, sps, accel, cfg.precision)), tokens
 
@@ -129,12 +126,15 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
     final_loss: list[float] = []
     window_start, window_steps = time.perf_counter(), 0
 
-    def report(step: int, seconds: float, steps: int, lr: float, loss: float, grad_norm: float) -> None:
+    def report(step: int, seconds: float, steps: int, lr: float, samples_seen: int, loss: float,
+               grad_norm: float) -> None:
         sps = global_batch * steps / seconds
         final_loss[:] = [loss]
+        peak = backend.peak_memory_bytes()
         metrics.log(step, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "samples_per_s": sps,
                            "tokens_per_s": sps * tokens_per_sample, "mfu": mfu_of(sps / backend.world_size),
-                           "step_time_s": seconds / steps, "samples_seen": state.samples_seen})
+                           "step_time_s": seconds / steps, "samples_seen": samples_seen,
+                           "peak_mem_gib": None if peak is None else peak / 2**30})
 
     batches = backend.device_batches(loader)
     try:
@@ -151,8 +151,10 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
             metrics.advance(state.step)
             if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
                 now = time.perf_counter()
+                # Everything but the two device tensors is bound now: XLA runs this closure later.
                 backend.on_host(functools.partial(report, state.step, now - window_start, window_steps,
-                                                  scheduler.get_last_lr()[0]), loss, grad_norm)
+                                                  scheduler.get_last_lr()[0], state.samples_seen),
+                                loss, grad_norm)
                 window_start, window_steps = now, 0
             saved = ckpt.maybe_save(step=state.step, model=model, optimizer=optimizer, scheduler=scheduler,
                                     ema=ema, loader=loader, state=state, force=state.step == cfg.max_steps)
