@@ -29,6 +29,14 @@ import pytest  # noqa: E402
 if importlib.util.find_spec("torch_xla") is None:  # e.g. run from .venv by mistake
     collect_ignore_glob = ["test_*.py"]
     print("tests/xla: torch_xla not installed in this interpreter; run `make test-xla` (.venv-xla)")
+else:
+    # NOTE: bring up the XLA device before any test runs a backward pass (the GPU backend on CPU
+    # does): autograd sizes its per-device queues at the first backward, and torch_xla's
+    # (reentrant) activation checkpointing later needs the XLA device's queue. The entrypoint
+    # creates the device in backend.init(), before any backward; only a mixed process cares.
+    import torch_xla
+
+    torch_xla.device()
 
 from xla_helpers import LATENT_SHAPE, MAX_TEXT_TOKENS, TEXT_DIM  # noqa: E402
 

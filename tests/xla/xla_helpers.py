@@ -80,7 +80,8 @@ def fixed_noise_objective(steps: int, *, device: torch.device, null_text: torch.
                           null_text=null_text.to(device), null_mask=null_mask.to(device))
 
 
-def run_steps(backend, features: Path, *, steps: int, max_grad_norm: float = 1.0) -> dict[str, Any]:
+def run_steps(backend, features: Path, *, steps: int, max_grad_norm: float = 1.0,
+              gradient_checkpointing: bool = False) -> dict[str, Any]:
     """``steps`` optimizer steps of the shared loop's ``train_step`` on ``backend`` with the
     fixed-noise objective; returns per-step (loss, grad norm) and the final full CPU states."""
     from training.data import FeatureLoader
@@ -90,7 +91,8 @@ def run_steps(backend, features: Path, *, steps: int, max_grad_norm: float = 1.0
 
     optim = OptimConfig(lr=1e-3, warmup_steps=0, max_grad_norm=max_grad_norm)
     torch.manual_seed(0)
-    model = backend.prepare_model(build_model(ModelConfig(preset="tiny")))
+    model = backend.prepare_model(build_model(ModelConfig(preset="tiny",
+                                                          gradient_checkpointing=gradient_checkpointing)))
     optimizer = backend.build_optimizer(model, optimizer_factory(optim))
     scheduler = build_scheduler(optimizer, optim, max_steps=100)
     loader = FeatureLoader(str(features), batch_size=BATCH, seed=0, prefetch=0)

@@ -18,7 +18,7 @@ class NeuronConfig:
 
     #: Shard AdamW state (and, with bf16 weights, the fp32 master copy) across data-parallel
     #: ranks with torch_xla's ZeroRedundancyOptimizer (ZeRO-1). Needed for 1.6B on 16 GiB
-    #: NeuronCore-v2s: fp32 Adam states alone are 12.8 GB there.
+    #: NeuronCore-v2s: fp32 weights + AdamW moments are 19 GB there.
     zero1: bool = False
     #: Persistent compile cache: an absolute path (on /fsx so every node shares it) or an
     #: s3:// prefix. Exported as NEURON_COMPILE_CACHE_URL before the first graph compiles.
@@ -40,8 +40,6 @@ class NeuronConfig:
     #: Extra neuronx-cc flags appended to NEURON_CC_FLAGS. "--model-type=transformer"
     #: enables the compiler's transformer-specific scheduling for this DiT.
     cc_flags: str = "--model-type=transformer"
-    #: Host->device batches prepared ahead of the step by the background loader.
-    device_prefetch: int = 4
     #: Gradient all-reduce bucket size in MiB (0 = one all-reduce over all grads);
     #: exported as ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB, which xm.reduce_gradients reads.
     allreduce_bucket_mb: int = 0
@@ -56,8 +54,6 @@ class NeuronConfig:
         if self.precompile_steps < 1:
             raise ValueError(f"trainium.precompile_steps: {self.precompile_steps} < 1; it must trace at "
                              "least one step (3 covers warm-up and steady graphs)")
-        if self.device_prefetch < 1:
-            raise ValueError(f"trainium.device_prefetch: {self.device_prefetch} < 1; use 1 or more")
         if self.allreduce_bucket_mb < 0:
             raise ValueError(f"trainium.allreduce_bucket_mb: {self.allreduce_bucket_mb} < 0; use 0 "
                              "(single all-reduce) or a size in MiB")
