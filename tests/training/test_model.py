@@ -77,3 +77,18 @@ def test_pretrained_from_s3(tmp_path: Path, s3_bucket: str) -> None:
     cfg = ModelConfig(pretrained=f"s3://{s3_bucket}/models/tiny", pretrained_cache=str(tmp_path / "cache"))
     got = build_model(cfg).state_dict()
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients() -> None:
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig(preset="tiny", overrides={"num_layers": 2},
+                                        gradient_checkpointing=checkpointing))
+        torch.manual_seed(1)
+        out = model(torch.randn(2, 4, 8, 8), torch.randn(2, 5, 8), torch.tensor([10.0, 900.0]),
+                    encoder_attention_mask=torch.ones(2, 5), return_dict=False)[0]
+        out.square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
