@@ -51,8 +51,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     backend = NeuronBackend(cfg.trainium, precision=cfg.precision)
     try:
         backend.init()
+        # force: backend.init() (torch-xla) has already given the root logger a WARNING
+        # handler, which would make basicConfig a no-op and hide the step/loss/checkpoint log.
         logging.basicConfig(level=logging.INFO if backend.is_main else logging.WARNING,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr,
+                            force=True)
         result = train(cfg, backend)
         if backend.is_main:
             print(json.dumps({"steps": result.steps, "final_loss": result.final_loss,

@@ -316,4 +316,5 @@ def test_train_trainium_sbatch_runs_tiny_on_pjrt_cpu_on_partition_trn(slurm_clus
     assert f"env {REPO / '.venv-xla'}" in job_log  # SANA_ENV_NEURON from the trn node profile
     summary = json.loads(re.findall(r"^0: \[default0\]:(\{.*\"compiles\".*\})$", job_log, re.M)[-1])
     assert summary["steps"] == 4 and summary["compiles"] >= 1  # the XLA backend ran the steps
+    assert "'pjrt_device': 'CPU'" in job_log and "from step 0 to 4" in job_log  # rank 0's training log
     assert f"NEURON_RT_ROOT_COMM_ID={slurm_cluster.node}:46820" in job_log
