@@ -318,3 +318,14 @@ def test_train_trainium_sbatch_runs_tiny_on_pjrt_cpu_on_partition_trn(slurm_clus
     assert summary["steps"] == 4 and summary["compiles"] >= 1  # the XLA backend ran the steps
     assert "'pjrt_device': 'CPU'" in job_log and "from step 0 to 4" in job_log  # rank 0's training log
     assert f"NEURON_RT_ROOT_COMM_ID={slurm_cluster.node}:46820" in job_log
+
+
+def test_a_job_script_copied_away_from_its_launcher_fails_saying_so(slurm_cluster: SlurmCluster, site: Site,
+                                                                    tmp_path: Path) -> None:
+    copy = tmp_path / "train-gpu.sbatch"
+    copy.write_text((SLURM_DIR / "train-gpu.sbatch").read_text())
+    job_id = slurm_cluster.sbatch(copy, options=("--job-name=stray",), env=site.env(), cwd=site.submit_dir)
+    info = slurm_cluster.wait(job_id, timeout=120)
+    assert info["JobState"] == "FAILED"
+    out = (site.submit_dir / f"slurm-stray-{job_id}.out").read_text()
+    assert f"train-gpu.sbatch: no launch.sh next to the submitted script (in '{tmp_path}')" in out
