@@ -159,6 +159,8 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
             saved = ckpt.maybe_save(step=state.step, model=model, optimizer=optimizer, scheduler=scheduler,
                                     ema=ema, loader=loader, state=state, force=state.step == cfg.max_steps)
             last_ckpt = saved or last_ckpt
+        # XLA runs on_host reads at the next sync; after the last step only this one comes.
+        backend.barrier()
     finally:
         loader.close()
         ckpt.close()

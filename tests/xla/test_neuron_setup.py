@@ -110,3 +110,14 @@ def test_xla_test_requirements_take_pins_from_the_neuron_file():
              if line.strip() and not line.startswith("#")]
     assert "-c requirements-neuron.txt" in lines
     assert "torch" in lines and "torch-xla" in lines
+
+
+def test_accelerator_names_match_the_flops_table():
+    from training.backends.neuron import neuron_accelerator
+    from training.flops import ACCELERATORS
+
+    assert neuron_accelerator("trn1.32xlarge", {}) == "NeuronCore-v2"
+    assert neuron_accelerator("trn1n.32xlarge", {}) == "NeuronCore-v2"
+    assert neuron_accelerator("trn2.48xlarge", {}) == "NeuronCore-v3-LNC2"
+    for name in ("NeuronCore-v2", "NeuronCore-v3-LNC2"):
+        assert name in ACCELERATORS

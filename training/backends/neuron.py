@@ -85,6 +85,25 @@ def neuron_status() -> tuple[bool, str]:
     return True, "torch-neuronx " + getattr(torch_neuronx, "__version__", "?")
 
 
+def neuron_accelerator(product_name: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """What one rank drives, named as in training/flops.py ACCELERATORS (for MFU).
+
+    trn1/trn1n: a NeuronCore-v2. trn2: a logical NeuronCore of 2 physical v3 cores at the
+    default NEURON_LOGICAL_NC_CONFIG=2 (one v3 core with 1). The instance family comes from
+    the DMI product name EC2 exposes (e.g. "trn1.32xlarge").
+    """
+    env = os.environ if env is None else env
+    if product_name is None:
+        try:
+            with open("/sys/devices/virtual/dmi/id/product_name") as fh:
+                product_name = fh.read().strip()
+        except OSError:
+            product_name = ""
+    if product_name.startswith("trn2") or product_name.startswith("trn3"):
+        return "NeuronCore-v3-LNC2" if env.get("NEURON_LOGICAL_NC_CONFIG", "2") == "2" else "NeuronCore-v3"
+    return "NeuronCore-v2"
+
+
 def apply_neuron_env(cfg: NeuronConfig, precision: str, env: dict[str, str] | None = None) -> dict[str, str]:
     """Set the environment the Neuron runtime/compiler read at start-up; returns what it set.
 
@@ -517,7 +536,8 @@ class NeuronBackend(Backend):
 
             info["torch_xla"] = torch_xla.__version__
             info["pjrt_device"] = xr.device_type()
-            info["accelerator"] = "neuroncore" if xr.device_type() == "NEURON" else f"xla-{xr.device_type()}"
+            info["accelerator"] = (neuron_accelerator() if xr.device_type() == "NEURON"
+                                   else f"xla-{xr.device_type().lower()}")
         except ImportError:
             pass
         if self.device.type == "xla":
