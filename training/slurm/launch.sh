@@ -25,10 +25,12 @@ die() {
   exit 1
 }
 
-# Source the node profile written by the lifecycle scripts. SANA_* variables set explicitly
-# in the submitting shell win over the profile (a researcher's `SANA_CHECKPOINT_ROOT=... sbatch`
-# must not be overwritten), except the node's identity (SANA_ROLE, SANA_GROUP), which must
-# describe the node the job runs on, not the login node it was submitted from.
+# Source the node profile written by the lifecycle scripts. Whatever the submitting shell
+# exported wins over the profile (`SANA_CHECKPOINT_ROOT=... sbatch`, `NCCL_DEBUG=INFO sbatch`
+# must not be overwritten): a login shell holds the login node's profile, which only has the
+# cluster-wide values, so the compute node still adds its own backend settings (NCCL/EFA,
+# Neuron). The node's identity (SANA_ROLE, SANA_GROUP) is the exception: it must describe the
+# node the job runs on, not the login node it was submitted from.
 load_node_profile() {
   local profile=${SANA_PROFILE:-/etc/profile.d/sana-platform.sh}
   if [[ ! -r $profile ]]; then
@@ -37,14 +39,17 @@ load_node_profile() {
   fi
   local -a names
   local -A submitted=()
-  mapfile -t names < <(compgen -e | grep -E '^SANA_' | grep -vxE 'SANA_(ROLE|GROUP)' || true)
+  mapfile -t names < <(compgen -e | grep -vxE 'SANA_(ROLE|GROUP)' || true)
   local name
-  for name in "${names[@]}"; do submitted[$name]=${!name}; done
+  for name in "${names[@]}"; do submitted[$name]=${!name-}; done
   set +u # a profile is written for interactive shells, not for `set -u`
   # shellcheck source=/dev/null
   source "$profile"
   set -u
-  for name in "${names[@]}"; do export "$name=${submitted[$name]}"; done
+  for name in "${names[@]}"; do
+    # Only what the profile changed: re-exporting everything would trip over readonly ones.
+    if [[ ${!name-} != "${submitted[$name]}" ]]; then export "$name=${submitted[$name]}"; fi
+  done
   echo "launch.sh: loaded node profile $profile"
 }
 
