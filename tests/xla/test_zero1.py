@@ -69,3 +69,24 @@ def test_zero1_loads_an_unsharded_state_and_gives_it_back(one_step):
     for group, shards in zip(optimizer.param_groups, optimizer.base_optimizer.param_groups, strict=True):
         for p, shard in zip(group["params"], shards["params"], strict=True):
             torch.testing.assert_close(shard.detach().cpu()[: p.shape[0]], plain["model"][names[id(p)]])
+
+
+def test_zero1_bf16_checkpoints_the_fp32_master_and_restores_it_exactly(features):
+    backend = NeuronBackend(NeuronConfig(zero1=True), precision="bf16")
+    backend.init()
+    run = run_steps(backend, features, steps=1)
+    model, optimizer = run["module"], run["optim"]
+    state = run["model"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    pairs = [(names[id(p)], p, s) for g, sg in zip(optimizer.param_groups, optimizer.base_optimizer.param_groups,
+                                                   strict=True) for p, s in zip(g["params"], sg["params"], strict=True)]
+    for name, param, shard in pairs:
+        assert param.dtype == torch.bfloat16 and state[name].dtype == torch.float32
+        assert torch.equal(state[name], shard.detach().cpu())  # the master, not the rounded weight
+        assert torch.equal(param.detach().cpu(), state[name].to(torch.bfloat16))
+    # perturb, then restore: master shards come back bit-exactly, weights as their bf16 rounding
+    backend.load_model_state_dict(model, {k: v + 1.0 for k, v in state.items()})
+    backend.load_model_state_dict(model, state)
+    for name, param, shard in pairs:
+        assert torch.equal(shard.detach().cpu(), state[name])
+        assert torch.equal(param.detach().cpu(), state[name].to(torch.bfloat16))

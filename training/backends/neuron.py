@@ -318,6 +318,10 @@ class NeuronBackend(Backend):
         self.syncs += 1
 
     def on_host(self, fn: Callable[..., None], *tensors: torch.Tensor) -> None:
+        """Defer ``fn`` to a step closure: it runs inside the NEXT ``torch_xla.sync()`` (the loop
+        calls this right after a step's sync), i.e. after the following step's graph is already
+        launched, so reading the values never makes the host wait for the device. The loop's
+        closing ``barrier()`` runs the last one."""
         if self.cfg.precompile:
             # neuron_parallel_compile's graphs return zeros: reading them would log garbage
             # (or trip a NaN/divergence check); the step's graph is traced all the same.
@@ -356,12 +360,29 @@ class NeuronBackend(Backend):
         torch_xla.sync()
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        inner = self.unwrap(model)
         self.barrier()
+        masters = self._gathered_masters(inner) if self._zero is not None and self.precision == "bf16" else {}
         state: dict[str, torch.Tensor] = {}
         if self.is_main:
-            state = {k: v.detach().cpu().clone() for k, v in self.unwrap(model).state_dict().items()}
+            state = {k: masters[k] if k in masters else v.detach().cpu().clone()
+                     for k, v in inner.state_dict().items()}
         self.barrier()
         return state
+
+    def _gathered_masters(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """ZeRO-1 with bf16 weights keeps an fp32 master copy, sharded; a checkpoint gets that
+        (full, on rank 0) instead of the bf16 weights, so a resume restores the master shards
+        exactly (``_reshard_zero``) and a bf16 model loading it just casts. Collective."""
+        import torch_xla.core.xla_model as xm
+
+        pieces = [(name, param, xm.all_gather(shard.detach(), dim=0) if self.world_size > 1 else shard.detach())
+                  for name, param, shard in self._zero_pairs(model)]
+        self._flush()
+        if not self.is_main:
+            return {}
+        # slice the zero-padding off on the host: a device slice would be one more graph
+        return {name: full.cpu()[: param.shape[0]].clone() for name, param, full in pieces}
 
     def _all_ranks_have(self, state: Mapping[str, Any]) -> bool:
         """True when every rank was handed a non-empty state (the Checkpointer reads the files on
