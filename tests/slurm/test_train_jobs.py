@@ -300,10 +300,9 @@ def test_train_trainium_sbatch_runs_tiny_on_pjrt_cpu_on_partition_trn(slurm_clus
         pytest.skip(".venv-xla missing; run `make setup-xla` (make test builds it before these tests)")
     job_name = "tiny-trn"
     # One rank: XLA collectives across processes on PJRT CPU return wrong values (DESIGN.md);
-    # cross-rank behaviour is the GPU test's. tensorboard=false: .venv-xla carries only what
-    # tests/xla needs (the cluster's Neuron env has tensorboard, training/requirements-neuron.txt).
+    # cross-rank behaviour is the GPU test's.
     job_id = slurm_cluster.sbatch(SLURM_DIR / "train-trainium.sbatch", str(TINY), "--set", f"data.path={site.features}",
-                                  "--set", "checkpoint.every_steps=2", "--set", "tensorboard=false", "--max-steps", "4",
+                                  "--set", "checkpoint.every_steps=2", "--max-steps", "4",
                                   options=(f"--job-name={job_name}",),
                                   env=site.env("trn", SANA_NPROC_PER_NODE="1", PJRT_DEVICE="CPU"), cwd=site.submit_dir)
     info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
@@ -317,6 +316,7 @@ def test_train_trainium_sbatch_runs_tiny_on_pjrt_cpu_on_partition_trn(slurm_clus
     summary = json.loads(re.findall(r"^0: \[default0\]:(\{.*\"compiles\".*\})$", job_log, re.M)[-1])
     assert summary["steps"] == 4 and summary["compiles"] >= 1  # the XLA backend ran the steps
     assert "'pjrt_device': 'CPU'" in job_log and "from step 0 to 4" in job_log  # rank 0's training log
+    assert (run_dir / "tensorboard").is_dir()  # the config as shipped, TensorBoard included
     assert f"NEURON_RT_ROOT_COMM_ID={slurm_cluster.node}:46820" in job_log
 
 
