@@ -57,13 +57,16 @@ import torch
 from torch import nn
 
 from training.backends.base import Backend, Batch
+
+# The precision modes and the pure-bf16 input rule are the GPU backend's, shared so the two
+# cannot drift apart (gpu.py imports only torch, which this environment has).
+from training.backends.gpu import PRECISIONS, _cast_floats_to_bf16
 from training.backends.neuron_config import NeuronConfig
 from training.backends.state import from_named_optimizer_state, param_names, to_named_optimizer_state
 from training.errors import UserError
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 #: set by the backend in precision "bf16"; see the module docstring
 STOCHASTIC_ROUNDING_ENV = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
 COMPILE_CACHE_ENV = "NEURON_COMPILE_CACHE_URL"
@@ -145,16 +148,6 @@ def apply_neuron_env(cfg: NeuronConfig, precision: str, env: dict[str, str] | No
     if cfg.allreduce_bucket_mb:
         put("ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB", str(cfg.allreduce_bucket_mb))
     return changed
-
-
-def _cast_floats_to_bf16(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Pure-bf16 forward pre-hook (same rule as the GPU backend's): inputs follow the bf16
-    weights; the timestep stays fp32 because the embedding casts it itself."""
-    def cast(name: str, v: Any) -> Any:
-        if torch.is_tensor(v) and v.is_floating_point() and name != "timestep":
-            return v.to(torch.bfloat16)
-        return v
-    return tuple(cast("", a) for a in args), {k: cast(k, v) for k, v in kwargs.items()}
 
 
 def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
