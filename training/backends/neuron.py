@@ -213,6 +213,13 @@ class NeuronBackend(Backend):
         self.rank = xr.global_ordinal()
         self.world_size = xr.world_size()
         self.local_rank = xr.local_ordinal()
+        launched = os.environ.get("WORLD_SIZE")
+        if launched is not None and int(launched) != self.world_size:
+            # e.g. a NEURON_RT_VISIBLE_CORES / --nproc_per_node mismatch: ranks would shard data
+            # for one world size and reduce gradients over another.
+            raise RuntimeError(f"torchrun started WORLD_SIZE={launched} processes but the XLA runtime sees "
+                               f"{self.world_size} devices in total; check --nproc_per_node against "
+                               "the NeuronCores per node (neuron-ls) and NEURON_RT_VISIBLE_CORES")
 
     def close(self) -> None:
         if self._owns_group:
