@@ -117,7 +117,13 @@ def test_folder_end_to_end_and_resume(models, loaded, tmp_path: Path, capsys):
     with torch.no_grad():
         latents = vae.encode(preprocess((raw / "000000.png").read_bytes(), 64)[None]).latent[0]
     text = encode_for_shards([(raw / "000000.txt").read_text()], tokenizer, text_encoder, max_tokens=N)[0]
-    assert torch.equal(stored["latents"], latents.bfloat16()) and torch.equal(stored["text"], text.bfloat16())
+    # Precompute encodes a batch, this recomputes one sample: float kernels may differ in the
+    # last fp32 bits with batch size and thread count, which can flip a bf16 rounding. So
+    # compare within one bf16 step (8 mantissa bits) rather than bit for bit.
+    bf16_step = dict(rtol=2.0**-7, atol=1e-3)
+    torch.testing.assert_close(stored["latents"].float(), latents.bfloat16().float(), **bf16_step)
+    torch.testing.assert_close(stored["text"].float(), text.bfloat16().float(), **bf16_step)
+    assert stored["latents"].dtype == stored["text"].dtype == torch.bfloat16
 
     loader = FeatureLoader(out, batch_size=5, prefetch=0)
     batch = next(loader)
