@@ -88,6 +88,7 @@ class Backend(abc.ABC):
 
     def sync(self) -> None:
         """End of an optimizer step: XLA cuts and launches the graph here; eager backends do nothing."""
+        return None
 
     def on_host(self, fn: Callable[..., None], *tensors: torch.Tensor) -> None:
         """Call ``fn`` with these tensors as Python floats, without stalling the device.
@@ -132,6 +133,7 @@ class Backend(abc.ABC):
 
     def set_rng_state(self, state: Mapping[str, Any]) -> None:
         """Restore what ``rng_state`` returned (ignores keys of another backend)."""
+        return None
 
     def peak_memory_bytes(self) -> int | None:
         """Peak accelerator memory of this process, or None where the backend cannot tell."""
