@@ -34,6 +34,7 @@ import random
 import re
 import shutil
 import signal
+import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -282,6 +283,35 @@ def find_latest(root: str | Path, *, full: bool = True) -> Path | None:
 
 
 # ----- the checkpointer ------------------------------------------------------------------
+def resolve_checkpoint(source: str, cache_dir: str | Path | None = None, *, key: str = "checkpoint") -> Path:
+    """The complete checkpoint ``source`` names, for resuming and for export.
+
+    ``source`` is a ``step-XXXXXXXX`` directory, a checkpoint root or a run directory (its
+    newest complete checkpoint), local or ``s3://`` (fetched into ``cache_dir``). Anything
+    else is a UserError that starts with ``key`` (the config key or argument it came from).
+    """
+    if source.startswith("s3://"):
+        from training.mirror import fetch_checkpoint, fetch_latest
+
+        cache = Path(cache_dir or tempfile.mkdtemp(prefix="sana-checkpoint-"))
+        is_step = _STEP_RE.match(source.rstrip("/").rsplit("/", 1)[-1]) is not None
+        found = fetch_checkpoint(source, cache) if is_step else fetch_latest(source, cache)
+        if found is None:
+            raise UserError(f"{key}: {source} holds no complete checkpoint (with manifest.json); check the URL")
+        return found
+    path = Path(source)
+    if (path / MANIFEST).exists():
+        if verify(path) is None:
+            raise UserError(f"{key}: {path} is incomplete or corrupt (files do not match manifest.json); "
+                            "pick another step-* directory")
+        return path
+    for root in (path / "checkpoints", path):
+        if root.is_dir() and (found := find_latest(root)) is not None:
+            return found
+    raise UserError(f"{key}: {source} holds no complete checkpoint; give a step-XXXXXXXX directory, "
+                    "a checkpoint root or a run directory")
+
+
 class Checkpointer:
     """Called by the loop every step; decides itself when to write (STYLE.md rule 6).
 
@@ -457,26 +487,7 @@ class Checkpointer:
 
                 found = fetch_latest(self.cfg.s3_mirror, self.root)
             return found
-        if resume.startswith("s3://"):
-            from training.mirror import fetch_checkpoint, fetch_latest
-
-            found = fetch_checkpoint(resume, self.root) if _STEP_RE.match(resume.rstrip("/").rsplit("/", 1)[-1]) \
-                else fetch_latest(resume, self.root)
-            if found is None:
-                raise UserError(f"checkpoint.resume: {resume} holds no complete checkpoint; "
-                                "check the URL or use --resume auto")
-            return found
-        path = Path(resume)
-        if (path / MANIFEST).exists():
-            if verify(path) is None:
-                raise UserError(f"checkpoint.resume: {path} is incomplete or corrupt (files do not match "
-                                "manifest.json); pick another step-* directory")
-            return path
-        found = find_latest(path) if path.is_dir() else None
-        if found is None:
-            raise UserError(f"checkpoint.resume: {path} is neither a complete checkpoint nor a directory "
-                            "holding one; give a step-XXXXXXXX directory, its parent, 'auto' or 'none'")
-        return found
+        return resolve_checkpoint(resume, self.root, key="checkpoint.resume")
 
     def restore(self, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: Stateful | None = None, ema: Stateful | None = None,

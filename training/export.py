@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,35 +21,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from training.checkpoint import EMA_FILE, MANIFEST, MODEL_FILE, STATE_FILE, find_latest, verify
+from training.checkpoint import EMA_FILE, MANIFEST, MODEL_FILE, STATE_FILE, resolve_checkpoint
 from training.errors import UserError, exits_cleanly
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROVENANCE = "training_provenance.json"
-
-
-def resolve_checkpoint(source: str, cache_dir: str | Path | None = None) -> Path:
-    """The complete checkpoint directory ``source`` names (see the module docstring)."""
-    if source.startswith("s3://"):
-        from training.mirror import fetch_checkpoint, fetch_latest
-
-        cache = Path(cache_dir or tempfile.mkdtemp(prefix="sana-export-"))
-        is_step = source.rstrip("/").rsplit("/", 1)[-1].startswith("step-")
-        found = fetch_checkpoint(source, cache) if is_step else fetch_latest(source, cache)
-        if found is None:
-            raise UserError(f"{source}: no complete checkpoint (with manifest.json) there; check the URL")
-        return found
-    path = Path(source)
-    if (path / MANIFEST).exists():
-        if verify(path) is None:
-            raise UserError(f"{path}: files do not match manifest.json (incomplete or corrupt); "
-                            "export another step-* directory")
-        return path
-    for root in (path / "checkpoints", path):
-        if root.is_dir() and (found := find_latest(root)) is not None:
-            return found
-    raise UserError(f"{source}: no complete checkpoint here; give a step-XXXXXXXX directory, "
-                    "a checkpoint root or a run directory")
 
 
 def model_config(ckpt: Path) -> dict[str, Any]:

@@ -12,14 +12,6 @@ from training.backends.state import from_named_optimizer_state, to_named_optimiz
 from training.model import ModelConfig, build_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _stepped(seed: int = 0, steps: int = 2):
     torch.manual_seed(seed)
     model = build_model(ModelConfig(preset="tiny"))

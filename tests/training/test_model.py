@@ -12,15 +12,6 @@ from training.errors import UserError
 from training.model import PRESETS, ModelConfig, build_model, count_parameters
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on shared cores: one intra-op thread is ~15x faster than two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize(("preset", "millions"), [("sana-600m-512", 591.7), ("sana-1600m-1024", 1604.5)])
 def test_big_presets_parameter_count_on_meta(preset: str, millions: float) -> None:
     model = build_model(ModelConfig(preset=preset), device="meta")

@@ -14,15 +14,6 @@ B, C, H, N, D = 3, 4, 8, 6, 8
 SCALE = 0.41407
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models on shared cores: one intra-op thread is ~15x faster than two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _batch() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     mask = torch.zeros(B, N, dtype=torch.int64)
