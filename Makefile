@@ -50,7 +50,8 @@ synth: setup ## cdk synth through the real CLI into cdk.out/ (offline, no creden
 audit: synth ## print cdk-nag (AWS Solutions + HIPAA) and cfn-lint findings; fail on any open one
 	$(PY) -m stacks.audit cdk.out
 
-demo: audit ## the main job locally: audit, then precompute + train + resume + export + bench + report on CPU
+# setup-xla: the demo's comparison benches the Trainium backend on torch-xla's CPU device.
+demo: audit setup-xla ## the main job locally: audit, then precompute + train + resume + export + bench + report on CPU
 	$(PY) -m training.demo --out demo-output
 
 test: test-platform test-xla ## the whole test suite (what CI runs)
