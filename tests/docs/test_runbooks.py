@@ -174,3 +174,41 @@ def test_readme_config_table_matches_cdk_json_defaults():
         if key in context and context[key] not in ("", None):
             default = json.dumps(context[key]) if isinstance(context[key], bool) else str(context[key])
             assert default in row.group(1), f"README.md row for {key} does not show the cdk.json default {default}"
+
+
+SECTIONS = ("model", "data", "objective", "optim", "checkpoint", "gpu", "trainium", "ema")
+FILE_SUFFIXES = {"safetensors", "pt", "json", "jsonl", "yaml", "tar", "txt", "png"}
+CONFIG_KEY = re.compile(rf"(?<![\w./-])((?:{'|'.join(SECTIONS)})\.[a-z_]+)(?=[\s:=`]|$)")
+
+
+@functools.cache
+def _train_config_keys() -> frozenset[str]:
+    from training.config import load_config
+
+    def flat(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict) and value and key != "overrides":
+                yield from flat(value, f"{prefix}{key}.")
+            else:
+                yield prefix + key
+
+    cfg = load_config(["--config", str(REPO / "training" / "configs" / "tiny-cpu.yaml")])
+    return frozenset(flat(cfg.to_dict()))
+
+
+def _config_key_mentions() -> list[tuple[str, str]]:
+    """Training config keys the docs name in code (`optim.lr`, `--set data.path=...`)."""
+    found = set()
+    for doc in DOCS:
+        for line in _command_lines(doc.read_text()):
+            if "error:" in line:  # an example of the message for a wrong key
+                continue
+            for key in CONFIG_KEY.findall(line):
+                if key.rsplit(".", 1)[1] not in FILE_SUFFIXES:
+                    found.add((_rel(doc), key))
+    return sorted(found)
+
+
+@pytest.mark.parametrize(("doc", "key"), _config_key_mentions())
+def test_training_config_keys_exist(doc, key):
+    assert key in _train_config_keys(), f"{doc}: names training config key {key!r}, which TrainConfig lacks"
