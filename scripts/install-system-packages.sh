@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests drive for real: Slurm daemons + munge
-# (job-script tests) and shellcheck. Skips apt entirely when all are present.
+# (job-script tests), gcc (the Slurm fixture compiles a small SPANK plugin standing in for
+# HyperPod's --auto-resume option) and shellcheck. Skips apt entirely when all are present.
 set -euo pipefail
 
-readonly PACKAGES=(slurm-wlm munge shellcheck)
+readonly PACKAGES=(slurm-wlm munge gcc shellcheck)
 
 all_present() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
-    && command -v munged >/dev/null && command -v shellcheck >/dev/null
+    && command -v munged >/dev/null && command -v shellcheck >/dev/null \
+    && command -v cc >/dev/null
 }
 
 install_packages() {
