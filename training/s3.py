@@ -16,7 +16,7 @@ from pathlib import Path
 import boto3
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, ConnectTimeoutError, EndpointConnectionError
 
 from training.errors import UserError
 
@@ -67,6 +67,9 @@ def _explain(exc: Exception, url: S3Url | str) -> UserError | Exception:
             return UserError(f"{url}: no such object; check the path (and that the upload finished)")
         if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
             return UserError(f"{url}: access denied ({code}); check the credentials and the bucket policy")
+    if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError)):
+        return UserError(f"{url}: cannot reach S3 ({exc}) after retries; check the node's route to S3 "
+                         "(NAT or the S3 gateway endpoint) and AWS_ENDPOINT_URL_S3 if set")
     if isinstance(exc, BotoCoreError) and "credentials" in str(exc).lower():
         return UserError(f"{url}: no AWS credentials found; configure them (instance role on the cluster)")
     return exc
