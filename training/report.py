@@ -110,6 +110,15 @@ def cost_per_million_samples(usd_per_hour: float, samples_per_s_per_instance: fl
     return usd_per_hour / (samples_per_s_per_instance * 3600.0) * 1e6
 
 
+def duration(hours: float) -> str:
+    """Hours as a reader wants them: "12.50 h", or minutes/seconds for short CPU demo targets."""
+    if hours >= 0.1:
+        return f"{hours:,.2f} h"
+    if hours * 60 >= 1:
+        return f"{hours * 60:.1f} min"
+    return f"{hours * 3600:.1f} s"
+
+
 def hours_to_target(samples: float, samples_per_s_total: float) -> float:
     return samples / samples_per_s_total / 3600.0
 
@@ -239,20 +248,20 @@ def recommendation(runs: Sequence[Run], opts: Options) -> str:
     if fast is cheap:
         ratio = cheap.result.samples_per_s_per_instance / runner.result.samples_per_s_per_instance
         parts.append(f"It is also faster per instance ({ratio:.2f}x the samples/s of {runner.platform_name}), "
-                     f"so there is no trade-off to weigh: for {what} it takes {t_cheap:,.2f} h and "
+                     f"so there is no trade-off to weigh: for {what} it takes {duration(t_cheap)} and "
                      f"${c_cheap:,.2f}.")
     else:
         t_fast = hours_to_target(samples, fast.result.samples_per_s_total)
         c_fast = t_fast * fast.usd_per_hour_total
         ratio = fast.result.samples_per_s_per_instance / cheap.result.samples_per_s_per_instance
         parts.append(f"{fast.platform_name} is {ratio:.2f}x faster per instance: for {what} it needs "
-                     f"{t_fast:,.2f} h and ${c_fast:,.2f} against {t_cheap:,.2f} h and ${c_cheap:,.2f}.")
+                     f"{duration(t_fast)} and ${c_fast:,.2f} against {duration(t_cheap)} and ${c_cheap:,.2f}.")
         saved_h = t_cheap - t_fast
         extra = c_fast - c_cheap
         if saved_h > 0:
             parts.append(f"The crossover is the value of time: the faster platform pays off only when "
                          f"finishing one hour earlier is worth more than ${extra / saved_h:,.2f} "
-                         f"(${extra:,.2f} more for {saved_h:,.2f} h less).")
+                         f"(${extra:,.2f} more for {duration(saved_h)} less).")
         nodes_needed = math.ceil(fast.result.samples_per_s_total / cheap.result.samples_per_s_per_instance)
         parts.append(f"Matching {fast.result.nodes} {fast.result.instance_type} node"
                      f"{'s' if fast.result.nodes != 1 else ''} takes about {nodes_needed} "

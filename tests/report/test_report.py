@@ -236,3 +236,11 @@ def test_fsx_defaults_come_from_cdk_json():
     ctx = json.loads((REPO / "cdk.json").read_text())["context"]
     assert mbps == pytest.approx(ctx["fsxStorageGiB"] / 1024 * ctx["fsxThroughputPerTiB"])
     assert "fsxStorageGiB" in source
+
+
+def test_durations_read_naturally():
+    from training.report import duration
+
+    assert duration(12.5) == "12.50 h"
+    assert duration(0.05) == "3.0 min"
+    assert duration(0.0001) == "0.4 s"
