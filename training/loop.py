@@ -31,6 +31,7 @@ from training.metrics import MetricsLogger
 from training.model import ModelConfig, build_model
 from training.objective import RectifiedFlow
 from training.optim import OptimConfig, build_scheduler, optimizer_factory
+from training.preemption import StopRequest
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class TrainResult:
     step_times: list[float]  # host wall seconds per optimizer step, after each step's sync
     samples_per_step: int  # global samples per optimizer step
     checkpoint: Path | None  # last checkpoint written (or resumed from), if any
+    stopped_by: int | None = None  # the signal that stopped the run early (SIGTERM, SIGUSR1), if any
     model: nn.Module | None = None  # the prepared model, for callers that go on using it (tests)
 
 
@@ -137,34 +139,41 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
                            "peak_mem_gib": None if peak is None else peak / 2**30})
 
     batches = backend.device_batches(loader)
+    stopped_by = None
     try:
-        while state.step < cfg.max_steps:
-            t0 = time.perf_counter()
-            loss, grad_norm = train_step(model, optimizer, scheduler, objective, batches, backend, cfg.optim)
-            if ema is not None:
-                ema.update(inner, state.step + 1)
-            backend.sync()
-            state.step += 1
-            state.samples_seen += global_batch
-            step_times.append(time.perf_counter() - t0)
-            window_steps += 1
-            metrics.advance(state.step)
-            if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
-                now = time.perf_counter()
-                # Everything but the two device tensors is bound now: XLA runs this closure later.
-                backend.on_host(functools.partial(report, state.step, now - window_start, window_steps,
-                                                  scheduler.get_last_lr()[0], state.samples_seen),
-                                loss, grad_norm)
-                window_start, window_steps = now, 0
-            saved = ckpt.maybe_save(step=state.step, model=model, optimizer=optimizer, scheduler=scheduler,
-                                    ema=ema, loader=loader, state=state, force=state.step == cfg.max_steps)
-            last_ckpt = saved or last_ckpt
-        # XLA runs on_host reads at the next sync; after the last step only this one comes.
-        backend.barrier()
+        with StopRequest() as stop:
+            while state.step < cfg.max_steps:
+                t0 = time.perf_counter()
+                loss, grad_norm = train_step(model, optimizer, scheduler, objective, batches, backend, cfg.optim)
+                if ema is not None:
+                    ema.update(inner, state.step + 1)
+                backend.sync()
+                state.step += 1
+                state.samples_seen += global_batch
+                step_times.append(time.perf_counter() - t0)
+                window_steps += 1
+                metrics.advance(state.step)
+                if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
+                    now = time.perf_counter()
+                    # Everything but the two device tensors is bound now: XLA runs this closure later.
+                    backend.on_host(functools.partial(report, state.step, now - window_start, window_steps,
+                                                      scheduler.get_last_lr()[0], state.samples_seen),
+                                    loss, grad_norm)
+                    window_start, window_steps = now, 0
+                # Rank 0's pending stop signal, asked at logging steps only (a small collective).
+                stopped_by = stop.agreed(backend) if state.step % cfg.log_every == 0 else None
+                saved = ckpt.maybe_save(step=state.step, model=model, optimizer=optimizer, scheduler=scheduler,
+                                        ema=ema, loader=loader, state=state,
+                                        force=state.step == cfg.max_steps or stopped_by is not None)
+                last_ckpt = saved or last_ckpt
+                if stopped_by is not None:
+                    break
+            # XLA runs on_host reads at the next sync; after the last step only this one comes.
+            backend.barrier()
     finally:
         loader.close()
         ckpt.close()
         metrics.close()
     return TrainResult(steps=len(step_times), final_loss=final_loss[0] if final_loss else None,
                        step_times=step_times, samples_per_step=global_batch, checkpoint=last_ckpt,
-                       model=model)
+                       model=model, stopped_by=stopped_by)

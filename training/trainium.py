@@ -62,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                               "checkpoint": str(result.checkpoint) if result.checkpoint else None,
                               "output_dir": cfg.output_dir, "precompile": cfg.trainium.precompile,
                               **backend.compile_stats()}), flush=True)
+        if result.stopped_by is not None:  # Slurm asked us to stop: say so in the exit code
+            raise SystemExit(128 + result.stopped_by)
     finally:
         backend.close()
 
