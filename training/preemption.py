@@ -1,9 +1,9 @@
 """Stop cleanly when Slurm asks: checkpoint at the next agreed step boundary, then exit.
 
 ``scancel``, a job's time limit and HyperPod's job restarts send SIGTERM to every task and
-SIGKILL ``KillWait`` seconds later (30 s by Slurm's default); ``sbatch --signal=USR1@120``
-asks for an earlier warning. Without this, a stopped run loses everything since its last
-periodic checkpoint. The handler only records the signal: the loop asks every
+SIGKILL ``KillWait`` seconds later (30 s by Slurm's default). SIGUSR1 is treated the same,
+for a caller that signals the training processes directly to get a save-and-stop. Without
+this, a stopped run loses everything since its last periodic checkpoint. The handler only records the signal: the loop asks every
 ``log_every`` steps whether rank 0 got one (a broadcast, so every rank stops at the same
 step), saves, and returns. A signal during the save changes nothing: checkpoints are
 written atomically, so the previous one stays valid if the save does not finish.
