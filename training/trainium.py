@@ -13,8 +13,6 @@ imports torch-xla, so ``--help`` works in any environment.
 
 from __future__ import annotations
 
-import json
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -46,26 +44,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         apply_precompile(cfg)
 
     from training.backends.neuron import NeuronBackend
-    from training.loop import train
+    from training.entry import run
 
     backend = NeuronBackend(cfg.trainium, precision=cfg.precision)
-    try:
-        backend.init()
-        # force: backend.init() (torch-xla) has already given the root logger a WARNING
-        # handler, which would make basicConfig a no-op and hide the step/loss/checkpoint log.
-        logging.basicConfig(level=logging.INFO if backend.is_main else logging.WARNING,
-                            format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr,
-                            force=True)
-        result = train(cfg, backend)
-        if backend.is_main:
-            print(json.dumps({"steps": result.steps, "final_loss": result.final_loss,
-                              "checkpoint": str(result.checkpoint) if result.checkpoint else None,
-                              "output_dir": cfg.output_dir, "precompile": cfg.trainium.precompile,
-                              **backend.compile_stats()}), flush=True)
-        if result.stopped_by is not None:  # Slurm asked us to stop: say so in the exit code
-            raise SystemExit(128 + result.stopped_by)
-    finally:
-        backend.close()
+    run(cfg, backend, summary=lambda: {"precompile": cfg.trainium.precompile, **backend.compile_stats()})
 
 
 if __name__ == "__main__":

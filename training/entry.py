@@ -1,0 +1,41 @@
+"""What every training entrypoint does around the loop, so gpu.py and trainium.py only pick
+their backend (STYLE.md rule 1: parse, build, train, close)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from training.backends.base import Backend
+from training.config import TrainConfig
+from training.loop import train
+
+
+def run(cfg: TrainConfig, backend: Backend, summary: Callable[[], dict[str, Any]] | None = None) -> None:
+    """Init the backend, train, print a one-line JSON summary on rank 0, close.
+
+    Args:
+        summary: extra fields for the summary line (e.g. Trainium's compile counts).
+
+    Raises:
+        SystemExit: 128 + signal number when SIGTERM/SIGUSR1 stopped the run early.
+    """
+    try:
+        backend.init()
+        # force: torch-xla's init has already given the root logger a WARNING handler, which
+        # would make basicConfig a no-op and hide the step/loss/checkpoint log.
+        logging.basicConfig(level=logging.INFO if backend.is_main else logging.WARNING,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr,
+                            force=True)
+        result = train(cfg, backend)
+        if backend.is_main:
+            print(json.dumps({"steps": result.steps, "final_loss": result.final_loss,
+                              "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+                              "output_dir": cfg.output_dir, **(summary() if summary else {})}), flush=True)
+        if result.stopped_by is not None:  # Slurm asked us to stop: say so in the exit code
+            raise SystemExit(128 + result.stopped_by)
+    finally:
+        backend.close()
