@@ -255,14 +255,19 @@ def _boot(cluster: SlurmCluster) -> None:
               .strip() == "idle")
 
 
+def skip_unless_required(reason: str) -> None:
+    """Skip locally; fail where SANA_REQUIRE_SLURM=1 (CI, whose `make test` installs everything)."""
+    if os.environ.get("SANA_REQUIRE_SLURM") == "1":
+        pytest.fail(reason)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     missing = [tool for tool in (*DAEMONS, *CLIENTS) if shutil.which(tool) is None]
     if missing:
         reason = f"Slurm/munge not installed ({', '.join(missing)} missing); run `make setup`"
-        if os.environ.get("SANA_REQUIRE_SLURM") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        skip_unless_required(reason)
     # Not pytest's tmp_path: munged needs every directory above its socket to be traversable,
     # and pytest's base dir is 0700.
     root = Path(tempfile.mkdtemp(prefix="sana-slurm-"))
@@ -279,9 +284,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     except Exception as exc:  # noqa: BLE001 - reported with the daemon logs
         cluster.stop()
         reason = f"Slurm daemons did not start: {exc}\n{cluster.logs()}"
-        if os.environ.get("SANA_REQUIRE_SLURM") == "1":
-            pytest.fail(reason)
-        pytest.skip(reason)
+        skip_unless_required(reason)
     saved = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(conf)
     try:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import pytest
 from safetensors.torch import load_file
 
+from tests.slurm.conftest import skip_unless_required
+
 if TYPE_CHECKING:  # conftest modules are not importable by name (several share it)
     from tests.slurm.conftest import SlurmCluster
 
@@ -287,7 +289,8 @@ def test_bench_sbatch_on_hyperpod_gets_auto_resume_and_writes_its_result_where_t
     assert not site.log_dir(job_name, job_id).exists()
 
     if not stub:
-        pytest.skip("bench checked; the auto-resume part needs a C compiler for tests/slurm/auto_resume_stub.c")
+        skip_unless_required("bench checked; the auto-resume part needs a C compiler for "
+                             "tests/slurm/auto_resume_stub.c (make setup installs gcc)")
     assert "srun --nodes=1 --ntasks-per-node=1 --kill-on-bad-exit=1 --label --auto-resume=1" in (
         log_dir / "job.log").read_text()
     records = slurm_cluster.auto_resume_record.read_text().splitlines()
@@ -297,7 +300,7 @@ def test_bench_sbatch_on_hyperpod_gets_auto_resume_and_writes_its_result_where_t
 def test_train_trainium_sbatch_runs_tiny_on_pjrt_cpu_on_partition_trn(slurm_cluster: SlurmCluster,
                                                                        site: Site) -> None:
     if not (REPO / ".venv-xla" / "bin" / "python").exists():
-        pytest.skip(".venv-xla missing; run `make setup-xla` (make test builds it before these tests)")
+        skip_unless_required(".venv-xla missing; run `make setup-xla` (make test builds it before these tests)")
     job_name = "tiny-trn"
     # One rank: XLA collectives across processes on PJRT CPU return wrong values (DESIGN.md);
     # cross-rank behaviour is the GPU test's.
