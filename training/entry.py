@@ -14,22 +14,24 @@ from training.config import TrainConfig
 from training.loop import train
 
 
-def run(cfg: TrainConfig, backend: Backend, summary: Callable[[], dict[str, Any]] | None = None) -> None:
+def run(cfg: TrainConfig, backend: Backend, summary: Callable[[], dict[str, Any]] | None = None, *,
+        reset_logging: bool = False) -> None:
     """Init the backend, train, print a one-line JSON summary on rank 0, close.
 
     Args:
         summary: extra fields for the summary line (e.g. Trainium's compile counts).
+        reset_logging: replace the root logger's handlers. torch-xla's init has already given
+            it a WARNING handler, which would make basicConfig a no-op and hide the
+            step/loss/checkpoint log; elsewhere existing handlers (a caller's) are kept.
 
     Raises:
         SystemExit: 128 + signal number when SIGTERM/SIGUSR1 stopped the run early.
     """
     try:
         backend.init()
-        # force: torch-xla's init has already given the root logger a WARNING handler, which
-        # would make basicConfig a no-op and hide the step/loss/checkpoint log.
         logging.basicConfig(level=logging.INFO if backend.is_main else logging.WARNING,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr,
-                            force=True)
+                            force=reset_logging)
         result = train(cfg, backend)
         if backend.is_main:
             print(json.dumps({"steps": result.steps, "final_loss": result.final_loss,

@@ -47,7 +47,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     from training.entry import run
 
     backend = NeuronBackend(cfg.trainium, precision=cfg.precision)
-    run(cfg, backend, summary=lambda: {"precompile": cfg.trainium.precompile, **backend.compile_stats()})
+    run(cfg, backend, summary=lambda: {"precompile": cfg.trainium.precompile, **backend.compile_stats()},
+        reset_logging=True)
 
 
 if __name__ == "__main__":
