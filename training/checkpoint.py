@@ -321,12 +321,15 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: CheckpointConfig, backend: Backend, *, output_dir: str | Path,
-                 run_config: Mapping[str, Any] | None = None) -> None:
+                 run_config: Mapping[str, Any] | None = None,
+                 provenance: Mapping[str, Any] | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         root = Path(cfg.dir)
         self.root = root if root.is_absolute() else Path(output_dir) / root
         self.run_config = dict(run_config or {})
+        #: training/provenance.py: what code, env and text features produced this run
+        self.provenance = dict(provenance or {})
         self.last_saved_step: int | None = None
         self.mirror = None
         if backend.is_main:
@@ -424,6 +427,7 @@ class Checkpointer:
             "world_size": self.backend.world_size,
             "model_config": _model_config(self.backend.unwrap(model)),
             "config": self.run_config,
+            "provenance": self.provenance,
         }
         _write_json(tmp / STATE_FILE, _jsonable(train_state))
         _torch_save(rng, tmp / _rng_file(0))

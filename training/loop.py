@@ -32,6 +32,7 @@ from training.model import ModelConfig, build_model
 from training.objective import RectifiedFlow
 from training.optim import OptimConfig, build_scheduler, optimizer_factory
 from training.preemption import StopRequest
+from training.provenance import run_provenance
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,8 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
     objective = RectifiedFlow(cfg.objective, vae_scaling_factor=loader.index.vae_scaling_factor,
                               null_text=null_text.to(backend.device), null_mask=null_mask.to(backend.device),
                               rank=backend.rank, world_size=backend.world_size)
-    ckpt = Checkpointer(cfg.checkpoint, backend, output_dir=cfg.output_dir, run_config=cfg.to_dict())
+    ckpt = Checkpointer(cfg.checkpoint, backend, output_dir=cfg.output_dir, run_config=cfg.to_dict(),
+                        provenance=run_provenance())
     state = TrainState()
     last_ckpt = ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler, ema=ema, loader=loader,
                              state=state)
