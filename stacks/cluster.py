@@ -2,10 +2,14 @@
 
 Slurm is configured through the API (Orchestrator.Slurm + a SlurmConfig per instance
 group), not through the legacy provisioning_parameters.json written by lifecycle scripts.
+Every group runs in HyperPod's Extended lifecycle mode (``LifeCycleConfig.OnInitComplete``):
+HyperPod installs and starts Slurm (and Docker) itself, then runs our
+``on_init_complete.sh``, which only adds the platform's layer (FSx layout, users, package,
+envs, readiness). See ``lifecycle_config`` below for the schema text this relies on.
 The lifecycle scripts and the training package are uploaded under
 ``s3://<lifecycle bucket>/lifecycle/<hash>/`` where <hash> is a content hash of both trees:
 any change to either yields a new SourceS3Uri, so CloudFormation updates the cluster and
-nodes created afterwards run the new code (CONTRACT.md, "Platform <-> lifecycle contract").
+nodes created afterwards run the new code (lifecycle_scripts/settings.sh reads the settings file).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from aws_cdk import aws_s3_deployment as s3deploy
 from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
+from stacks.accounting import AccountingDatabase
 from stacks.common import acknowledge, ignore_cfn_lint
 from stacks.config import FSX_MOUNT, PlatformConfig
 from stacks.network import Network
@@ -31,7 +36,9 @@ from stacks.storage import StorageStack, bucket_names
 REPO = Path(__file__).resolve().parents[1]
 LIFECYCLE_DIR = REPO / "lifecycle_scripts"
 TRAINING_DIR = REPO / "training"
-ON_CREATE = "on_create.sh"
+# The entry script HyperPod runs in Extended mode (renamed from on_create.sh, which belonged to
+# Customer Managed mode where the scripts themselves had to set up and start Slurm).
+ON_INIT_COMPLETE = "on_init_complete.sh"
 SETTINGS_FILE = "platform-settings.json"
 # Never uploaded: byte-code caches, tests, hidden files (editor/tool state).
 EXCLUDED_NAMES = ("__pycache__", "tests", ".*", "*.pyc")
@@ -65,6 +72,7 @@ class ClusterProps:
     config: PlatformConfig
     network: Network
     storage: StorageStack
+    accounting: AccountingDatabase | None = None
     lifecycle_dir: Path = LIFECYCLE_DIR
     training_dir: Path = TRAINING_DIR
 
@@ -81,12 +89,23 @@ class PlatformBuckets(Construct):
             for kind in ("data", "artefacts", "lifecycle"))
 
 
-def nag_bucket_arn(project: str, kind: str) -> str:
+def nag_partition(scope: Construct) -> str:
+    """The partition as cdk-nag prints it in ARNs of ``scope``'s stack.
+
+    With cdk.json's @aws-cdk/core:enablePartitionLiterals (a recommended flag), a stack pinned
+    to a region renders ARNs that CDK formats with the literal partition (``aws``); an
+    environment-agnostic stack keeps the ``AWS::Partition`` pseudo parameter.
+    """
+    partition = cdk.Stack.of(scope).partition
+    return "<AWS::Partition>" if cdk.Token.is_unresolved(partition) else partition
+
+
+def nag_bucket_arn(project: str, kind: str, partition: str = "<AWS::Partition>") -> str:
     """A platform bucket's ARN as cdk-nag prints it in finding IDs (pseudo parameters in <>)."""
     name = bucket_names(project)[kind]
     for token, text in ((cdk.Aws.ACCOUNT_ID, "<AWS::AccountId>"), (cdk.Aws.REGION, "<AWS::Region>")):
         name = name.replace(token, text)
-    return f"arn:<AWS::Partition>:s3:::{name}"
+    return f"arn:{partition}:s3:::{name}"
 
 
 class ExecutionRole(Construct):
@@ -119,6 +138,15 @@ class ExecutionRole(Construct):
                 sid="UsePlatformKey",
                 actions=["kms:Decrypt", "kms:Encrypt", "kms:GenerateDataKey", "kms:DescribeKey"],
                 resources=[buckets.key.key_arn]),
+            # Customer-managed-key EBS encryption: HyperPod creates KMS grants for the nodes'
+            # volumes as the execution role when it scales, adds nodes or patches
+            # (docs.aws.amazon.com/sagemaker/latest/dg/smcluster-cmk.html, "Permissions").
+            iam.PolicyStatement(
+                sid="GrantPlatformKeyToNodeVolumes",
+                actions=["kms:CreateGrant"],
+                resources=[buckets.key.key_arn],
+                conditions={"StringEquals": {"kms:ViaService": f"sagemaker.{cdk.Aws.REGION}.amazonaws.com"},
+                            "Bool": {"kms:GrantIsForAWSResource": "true"}}),
             # HyperPod attaches the nodes' ENIs in the customer VPC as this role
             # (docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-hyperpod-prerequisites-iam.html).
             iam.PolicyStatement(
@@ -142,6 +170,13 @@ class ExecutionRole(Construct):
                          "ec2:DescribeSubnets", "ec2:DescribeSecurityGroups"],
                 resources=["*"]),
         ])
+        if props.accounting is not None:
+            # The accounting database's credentials (ClusterAccountingDatabase.SecretArn);
+            # the secret is encrypted with the platform key, already granted above.
+            self.policy.add_statements(iam.PolicyStatement(
+                sid="ReadAccountingDatabaseSecret",
+                actions=["secretsmanager:GetSecretValue", "secretsmanager:DescribeSecret"],
+                resources=[props.accounting.secret_arn]))
         self.role = iam.Role(
             self, "Role",
             assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
@@ -168,7 +203,7 @@ class ExecutionRole(Construct):
                 "account and region, and creation is further limited to the cluster subnet and group.",
         }
         for kind, what in (("lifecycle", "lifecycle/"), ("data", ""), ("artefacts", "")):
-            reasons[f"Resource::{nag_bucket_arn(project, kind)}/{what}*"] = (
+            reasons[f"Resource::{nag_bucket_arn(project, kind, nag_partition(self))}/{what}*"] = (
                 "Object-level access within exactly one platform bucket (the objects are created by "
                 "training jobs at run time); the bucket itself is named, never s3:*.")
         for finding, reason in reasons.items():
@@ -187,6 +222,9 @@ class LifecycleUpload(Construct):
     def __init__(self, scope: Construct, id: str, *, props: ClusterProps, buckets: PlatformBuckets) -> None:
         super().__init__(scope, id)
         cfg = props.config
+        if not (props.lifecycle_dir / ON_INIT_COMPLETE).is_file():
+            raise FileNotFoundError(f"{props.lifecycle_dir / ON_INIT_COMPLETE} is missing: every instance group's "
+                                    "LifeCycleConfig.OnInitComplete names it")
         self.package_hash = package_hash(props.lifecycle_dir, props.training_dir)
         self.prefix = f"lifecycle/{self.package_hash}/"
         self.source_s3_uri = f"s3://{buckets.lifecycle.bucket_name}/{self.prefix}"
@@ -235,7 +273,15 @@ class Cluster(Construct):
             orchestrator=sagemaker.CfnCluster.OrchestratorProperty(
                 # Managed: HyperPod owns slurm.conf (nodes, partitions) from the SlurmConfig
                 # below and keeps it in sync as groups scale.
-                slurm=sagemaker.CfnCluster.ClusterOrchestratorSlurmConfigProperty(slurm_config_strategy="Managed")),
+                slurm=sagemaker.CfnCluster.ClusterOrchestratorSlurmConfigProperty(
+                    slurm_config_strategy="Managed",
+                    accounting_database=self._accounting_database(props.accounting))),
+            # Schema: "When set to 'Continuous', enables continuous scaling which dynamically
+            # manages node provisioning"; the cluster is InService once the controller (and a
+            # login node) is up and worker launches are retried asynchronously
+            # (docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-hyperpod-scaling-slurm.html).
+            # Customer-managed-key volumes and AccountingDatabase both require it.
+            node_provisioning_mode="Continuous" if cfg.continuousProvisioning else None,
             node_recovery=cfg.nodeRecovery,
             vpc_config=sagemaker.CfnCluster.VpcConfigProperty(
                 security_group_ids=[props.network.security_group.security_group_id],
@@ -243,6 +289,38 @@ class Cluster(Construct):
         )
         # The cluster must not be created before its lifecycle objects exist in S3.
         self.cluster.node.add_dependency(self.upload.scripts, self.upload.package)
+
+    @staticmethod
+    def _accounting_database(db: AccountingDatabase | None) -> sagemaker.CfnCluster.ClusterAccountingDatabaseProperty | None:
+        """Orchestrator.Slurm.AccountingDatabase, field names as the resource schema has them.
+
+        Schema (ClusterAccountingDatabase): "External MySQL-compatible accounting database that
+        a Slurm cluster's slurmdbd connects to. Database credentials are supplied out-of-band
+        through the referenced Secrets Manager secret. Supported only with Continuous node
+        provisioning." (PlatformConfig refuses accounting without Continuous at synth.)
+        """
+        if db is None:
+            return None
+        return sagemaker.CfnCluster.ClusterAccountingDatabaseProperty(
+            endpoint=db.endpoint, secret_arn=db.secret_arn, port=db.port, name=db.schema_name)
+
+    def _storage(self, ebs_gib: int, *, cfg: PlatformConfig,
+                 key_arn: str) -> list[sagemaker.CfnCluster.ClusterInstanceStorageConfigProperty]:
+        """Root + secondary EBS on the platform key (Continuous mode only), then the FSx mount.
+
+        docs.aws.amazon.com/sagemaker/latest/dg/smcluster-cmk.html: "Customer managed key
+        encryption is only supported for clusters using the continuous node provisioning
+        mode"; a root-volume entry has RootVolume=True and VolumeKmsKeyId but no size (HyperPod
+        sizes it); the secondary entry has the size and, optionally, the key. Without
+        Continuous both volumes fall back to AWS owned keys (the service default).
+        """
+        ebs = sagemaker.CfnCluster.ClusterEbsVolumeConfigProperty
+        storage = sagemaker.CfnCluster.ClusterInstanceStorageConfigProperty
+        if not cfg.continuousProvisioning:
+            return [storage(ebs_volume_config=ebs(volume_size_in_gb=ebs_gib)), self.fsx_mount]
+        return [storage(ebs_volume_config=ebs(root_volume=True, volume_kms_key_id=key_arn)),
+                storage(ebs_volume_config=ebs(volume_size_in_gb=ebs_gib, volume_kms_key_id=key_arn)),
+                self.fsx_mount]
 
     def _group(self, name: str, instance_type: str, count: int, ebs_gib: int, node_type: str,
                partition: str | None, *, cfg: PlatformConfig) -> sagemaker.CfnCluster.ClusterInstanceGroupProperty:
@@ -252,15 +330,18 @@ class Cluster(Construct):
             instance_type=instance_type,
             instance_count=count,
             execution_role=self.execution_role.role.role_arn,
+            # Schema (ClusterLifeCycleConfig): "When provided with SourceS3Uri and OnCreate, uses
+            # Customer Managed mode. When provided with SourceS3Uri and OnInitComplete, uses
+            # Extended mode." OnInitComplete: "This script runs after HyperPod configures the
+            # default software on the instance. Mutually exclusive with OnCreate."
+            # (cfnlint/data/schemas: the AWS::SageMaker::Cluster resource schema cfn-lint ships.)
+            # The pinned aws-cdk-lib's ClusterLifeCycleConfigProperty has on_init_complete, and
+            # ClusterEbsVolumeConfigProperty root_volume/volume_kms_key_id: no escape hatch needed.
             life_cycle_config=sagemaker.CfnCluster.ClusterLifeCycleConfigProperty(
-                on_create=ON_CREATE, source_s3_uri=self.upload.source_s3_uri),
+                on_init_complete=ON_INIT_COMPLETE, source_s3_uri=self.upload.source_s3_uri),
             slurm_config=sagemaker.CfnCluster.ClusterSlurmConfigProperty(
                 node_type=node_type, partition_names=[partition] if partition else None),
-            instance_storage_configs=[
-                sagemaker.CfnCluster.ClusterInstanceStorageConfigProperty(
-                    ebs_volume_config=sagemaker.CfnCluster.ClusterEbsVolumeConfigProperty(volume_size_in_gb=ebs_gib)),
-                self.fsx_mount,
-            ],
+            instance_storage_configs=self._storage(ebs_gib, cfg=cfg, key_arn=self.buckets.key.key_arn),
             # One thread per core on accelerator hosts: training is accelerator-bound and the
             # host cores feed data loaders; SMT adds jitter (HyperPod's own recommendation).
             threads_per_core=1 if accelerator else None,
@@ -274,7 +355,8 @@ class ClusterStack(cdk.Stack):
     def __init__(self, scope: Construct, id: str, *, config: PlatformConfig, network: Network,
                  storage: StorageStack, **kwargs) -> None:
         super().__init__(scope, id, **kwargs)
-        self.cluster = Cluster(self, "Cluster", props=ClusterProps(config=config, network=network, storage=storage))
+        self.cluster = Cluster(self, "Cluster", props=ClusterProps(config=config, network=network, storage=storage,
+                                                                    accounting=storage.accounting))
         self._acknowledge_deployment_handler(config)
         buckets, upload = self.cluster.buckets, self.cluster.upload
         outputs = {
@@ -326,7 +408,8 @@ class ClusterStack(cdk.Stack):
                     "role is used by nothing else.")
         account = config.account or "<AWS::AccountId>"
         region = config.region or "<AWS::Region>"
-        assets = f"arn:<AWS::Partition>:s3:::cdk-hnb659fds-assets-{account}-{region}/*"
+        partition = nag_partition(self)
+        assets = f"arn:{partition}:s3:::cdk-hnb659fds-assets-{account}-{region}/*"
         wildcards = {
             "Action::s3:GetBucket*": "CDK grant: read the bootstrap asset bucket and the lifecycle bucket.",
             "Action::s3:GetObject*": "CDK grant: read the zipped asset and the lifecycle objects.",
@@ -337,8 +420,15 @@ class ClusterStack(cdk.Stack):
             "Action::kms:ReEncrypt*": "CDK grant on the platform key of the lifecycle bucket (copy between prefixes).",
             f"Resource::{assets}": "Objects of the CDK bootstrap asset bucket, where `cdk deploy` puts the zipped "
                                    "scripts (asset object keys are content hashes not known in advance).",
-            f"Resource::{nag_bucket_arn(config.projectName, 'lifecycle')}/*":
+            f"Resource::{nag_bucket_arn(config.projectName, 'lifecycle', partition)}/*":
                 "Objects of exactly the platform's lifecycle bucket (the destination).",
         }
         for finding, reason in wildcards.items():
             acknowledge(policy, f"AwsSolutions::AwsSolutions-IAM5[{finding}]", deploy_only + reason)
+        # cdk.json's @aws-cdk/aws-lambda:useCdkManagedLogGroup (a recommended flag) gives the
+        # handler a log group in the template instead of one Lambda creates on first run.
+        log_group = handler.node.try_find_child("LogGroup")
+        if log_group is not None:
+            acknowledge(log_group.node.default_child, "HIPAA.Security::HIPAA.Security-CloudWatchLogGroupEncrypted",
+                        deploy_only + "Its log lines name the copied lifecycle/package files and S3 keys, "
+                        "nothing else; CloudWatch Logs encrypts it at rest with a service key.")

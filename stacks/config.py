@@ -62,6 +62,83 @@ _DIRECTIONS = {"north": "n", "south": "s", "east": "e", "west": "w", "central": 
                "northeast": "ne", "northwest": "nw", "southeast": "se", "southwest": "sw"}
 MAX_GROUP_COUNT = 1000
 
+# ---- cluster users (POSIX accounts created on every node by lifecycle_scripts/) --------------
+# Names: useradd(8) CAVEATS ("usernames that begin with a lower case letter or an underscore,
+# followed by lower case letters, digits, underscores, or dashes ... up to 32 characters"),
+# which is also Ubuntu's adduser NAME_REGEX without the trailing '$' (Samba machine accounts).
+POSIX_NAME_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+# Accounts that already exist on a HyperPod node (Ubuntu base + what the platform/agents add):
+# the AMI's default user `ubuntu`, Slurm's and MUNGE's daemon users, and `ssm-user`, which the
+# SSM agent creates on the first Session Manager session
+# (docs.aws.amazon.com/systems-manager/latest/userguide/session-manager-getting-started-ssm-user-permissions.html).
+RESERVED_NAMES = frozenset({"root", "daemon", "bin", "sys", "sync", "nobody", "nogroup", "ubuntu", "admin",
+                            "sudo", "docker", "slurm", "munge", "ssm-user", "users", "staff", "adm"})
+# UIDs/GIDs a cluster account may take. Debian Policy 9.2.2 (shared by Ubuntu, the HyperPod
+# AMI's base): 0-99 static system, 100-999 dynamic system accounts, 1000-59999 normal users,
+# 60000-64999 globally allocated by Debian, 65534 `nobody`/`nogroup`, 65535 invalid (the
+# 16-bit -1). 1000 is the AMI's `ubuntu` user (the first user of Ubuntu cloud images), which
+# HyperPod's own samples log in as. awslabs/awsome-distributed-training
+# (1.architectures/5.sagemaker-hyperpod/LifecycleScripts/base-config/utils/create_users.sh)
+# refuses UIDs already present on the node; we refuse them at synth instead.
+POSIX_ID_MIN, POSIX_ID_MAX = 1001, 59999
+POSIX_ID_ALLOWED = (f"allowed: {POSIX_ID_MIN}-{POSIX_ID_MAX} (0-999 are system accounts, 1000 is the AMI's "
+                    "ubuntu user, 60000-65535 are reserved by Debian/Ubuntu, 65534 is nobody)")
+HOME_ROOT = "/fsx/home"
+
+
+@dataclass(frozen=True)
+class PosixAccount:
+    """A POSIX user or group with a fixed numeric ID, the same on every node (``name:id``)."""
+
+    name: str
+    id: int
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.id}"
+
+
+def parse_account(key: str, raw: Any, kind: str) -> PosixAccount:
+    """``"name:id"`` -> PosixAccount; a bad spec raises a one-line ConfigError naming ``key``."""
+    text = raw.strip() if isinstance(raw, str) else raw
+    if not isinstance(text, str) or text.count(":") != 1:
+        raise ConfigError(key, raw, f"allowed: {kind} specs written name:id, e.g. researcher:2001")
+    name, _, number = (part.strip() for part in text.partition(":"))
+    if not POSIX_NAME_RE.match(name):
+        raise ConfigError(key, raw, f"bad {kind} name {name!r}; allowed: 1-32 characters, a lower-case letter "
+                                    "or '_' first, then lower-case letters, digits, '_' or '-'")
+    if name in RESERVED_NAMES:
+        raise ConfigError(key, raw, f"{kind} name {name!r} already exists on HyperPod nodes; reserved: "
+                                    + ", ".join(sorted(RESERVED_NAMES)))
+    if not re.fullmatch(r"\d+", number):
+        raise ConfigError(key, raw, f"{kind} id {number!r} is not a number; " + POSIX_ID_ALLOWED)
+    if not POSIX_ID_MIN <= int(number) <= POSIX_ID_MAX:
+        raise ConfigError(key, raw, f"{kind} id {int(number)} is reserved; " + POSIX_ID_ALLOWED)
+    return PosixAccount(name, int(number))
+
+
+def parse_users(raw: Any) -> tuple[PosixAccount, ...]:
+    """clusterUsers: a JSON list of ``name:uid`` (cdk.json) or one comma-separated string (``-c``)."""
+    if isinstance(raw, str):
+        items: list[Any] = [part for part in raw.split(",") if part.strip()]
+    elif isinstance(raw, (list, tuple)):
+        items = list(raw)
+    else:
+        raise ConfigError("clusterUsers", raw, "allowed: a list of name:uid strings, or one comma-separated string")
+    if not items:
+        raise ConfigError("clusterUsers", raw, "allowed: at least one name:uid (jobs must not run as root)")
+    users = tuple(parse_account("clusterUsers", str(item) if isinstance(item, PosixAccount) else item, "user")
+                  for item in items)
+    seen_names: set[str] = set()
+    seen_ids: set[int] = set()
+    for user in users:
+        if user.name in seen_names:
+            raise ConfigError("clusterUsers", raw, f"duplicate user name {user.name!r}; allowed: each name once")
+        if user.id in seen_ids:
+            raise ConfigError("clusterUsers", raw, f"duplicate uid {user.id}; allowed: each uid once")
+        seen_names.add(user.name)
+        seen_ids.add(user.id)
+    return users
+
 
 class ConfigError(ValueError):
     """A bad context value. ``str(err)`` is one line: key, value, what is allowed."""
@@ -136,6 +213,14 @@ class PlatformConfig:
     """Automatic = HyperPod replaces or reboots faulty nodes; None = only labels them."""
     dataRemovalPolicy: str = "retain"
     """retain = buckets, key and FSx survive `cdk destroy`; destroy = deleted with the stacks."""
+    clusterUsers: tuple[PosixAccount, ...] = (PosixAccount("researcher", 2001),)
+    """POSIX users (name:uid) created on every node, homes under /fsx/home; members of clusterGroup."""
+    clusterGroup: PosixAccount = PosixAccount("sana", 2000)
+    """Shared group (name:gid) that owns and may write /fsx/data, /fsx/checkpoints, /fsx/logs."""
+    continuousProvisioning: bool = True
+    """NodeProvisioningMode Continuous: partial capacity, async retries; chosen at cluster creation."""
+    slurmAccounting: bool = False
+    """Slurm accounting on an Aurora MySQL Serverless v2 database (needs continuousProvisioning)."""
 
     def __post_init__(self) -> None:
         if not PROJECT_NAME_RE.match(self.projectName):
@@ -182,6 +267,30 @@ class PlatformConfig:
             _count(key, getattr(self, key), 1, 16384)
         _one_of("nodeRecovery", self.nodeRecovery, NODE_RECOVERY)
         _one_of("dataRemovalPolicy", self.dataRemovalPolicy, REMOVAL_POLICIES)
+        self._check_users()
+        if self.slurmAccounting and not self.continuousProvisioning:
+            # AWS::SageMaker::Cluster schema, ClusterAccountingDatabase: "Supported only with
+            # Continuous node provisioning."
+            raise ConfigError("slurmAccounting", True,
+                              "an external accounting database is supported only with Continuous node "
+                              "provisioning: set continuousProvisioning=true or slurmAccounting=false")
+
+    def _check_users(self) -> None:
+        users = parse_users(self.clusterUsers)
+        group = self.clusterGroup
+        if not isinstance(group, PosixAccount):
+            raise ConfigError("clusterGroup", group, "allowed: one name:gid, e.g. sana:2000")
+        # The lifecycle step makes the shared group every user's primary group (no per-user
+        # groups), but Ubuntu's convention (login.defs USERGROUPS_ENAB) is a private group per
+        # user with GID = UID and the user's name, e.g. in containers or on other FSx clients;
+        # a shared group on a user's UID or name would then mean two different groups.
+        clash = next((u for u in users if u.id == group.id or u.name == group.name), None)
+        if clash is not None:
+            what = f"gid {group.id} is user {clash.name}'s uid" if clash.id == group.id else \
+                f"name {group.name!r} is a user's name"
+            raise ConfigError("clusterGroup", str(group),
+                              f"{what} (Ubuntu's per-user private groups use the user's uid and name); "
+                              "allowed: a gid and name no user in clusterUsers has")
 
     def _check_az(self) -> None:
         if not AZ_ID_RE.match(self.availabilityZoneId):
@@ -226,6 +335,14 @@ class PlatformConfig:
         second_half = list(ipaddress.IPv4Network(self.vpcCidr).subnets(prefixlen_diff=1))[1]
         return str(next(second_half.subnets(new_prefix=28)))
 
+    @property
+    def accounting_subnet_cidrs(self) -> tuple[str, str]:
+        """Two /27s after the NAT subnet's /27 in the second half (used only with slurmAccounting)."""
+        second_half = list(ipaddress.IPv4Network(self.vpcCidr).subnets(prefixlen_diff=1))[1]
+        blocks = second_half.subnets(new_prefix=27)
+        next(blocks)  # holds the NAT /28
+        return str(next(blocks)), str(next(blocks))
+
     @classmethod
     def keys(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))
@@ -248,7 +365,7 @@ class PlatformConfig:
 
     def settings(self, *, region: str, data_bucket: str, artefacts_bucket: str, lifecycle_bucket: str,
                  package_hash: str) -> dict[str, Any]:
-        """platform-settings.json exactly as CONTRACT.md fixes it (nodes read it at creation)."""
+        """platform-settings.json, uploaded next to the lifecycle scripts; lifecycle_scripts/settings.sh reads it."""
         return {
             "project": self.projectName,
             "cluster_name": self.clusterName,
@@ -262,7 +379,25 @@ class PlatformConfig:
             "neuron_pip_index": NEURON_PIP_INDEX,
             "rendezvous_port": RENDEZVOUS_PORT,
             "envs": {"gpu": f"{FSX_MOUNT}/envs/gpu", "neuron": f"{FSX_MOUNT}/envs/neuron"},
+            "cluster_group": {"name": self.clusterGroup.name, "gid": self.clusterGroup.id},
+            "cluster_users": [{"name": u.name, "uid": u.id} for u in self.clusterUsers],
+            "home_root": HOME_ROOT,
+            "slurm_accounting": self.slurmAccounting,
         }
+
+    @classmethod
+    def context_defaults(cls) -> dict[str, Any]:
+        """The defaults as they are written in cdk.json's context (``name:id`` strings for accounts)."""
+        return {f.name: context_form(f.default) for f in dataclasses.fields(cls)}
+
+
+def context_form(value: Any) -> Any:
+    """A field value as cdk.json writes it: PosixAccount -> "name:id", tuples -> lists."""
+    if isinstance(value, PosixAccount):
+        return str(value)
+    if isinstance(value, tuple):
+        return [context_form(v) for v in value]
+    return value
 
 
 FSX_MOUNT = "/fsx"
@@ -274,6 +409,10 @@ _FALSE = {"false", "0", "no", "off"}
 
 def _coerce(key: str, raw: Any, typ: Any) -> Any:
     """Coerce one context value (native JSON from cdk.json, or a string from ``-c``)."""
+    if typ in ("tuple[PosixAccount, ...]",):
+        return parse_users(raw)
+    if typ in (PosixAccount, "PosixAccount"):
+        return parse_account(key, raw, "group")
     if typ in (bool, "bool"):
         if isinstance(raw, bool):
             return raw

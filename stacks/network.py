@@ -18,6 +18,7 @@ from aws_cdk import aws_iam as iam
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
+from stacks.accounting import AccountingNetwork, AccountingNetworkProps
 from stacks.common import acknowledge, ignore_cfn_lint, removal_policy
 from stacks.config import PlatformConfig
 
@@ -32,6 +33,8 @@ class NetworkProps:
     cluster_subnet_cidr: str
     nat_subnet_cidr: str
     removal_policy: cdk.RemovalPolicy
+    accounting_subnet_cidrs: tuple[str, str] | None = None
+    """Set only with slurmAccounting: the two DB subnets Aurora needs (two AZs)."""
 
 
 class AccessLogBucket(Construct):
@@ -162,6 +165,9 @@ class Network(Construct):
         acknowledge(self.self_ingress, "HIPAA.Security::HIPAA.Security-EC2RestrictedCommonPorts",
                     "The rule admits all ports only from this same security group (no CIDR, nothing from "
                     "outside the group), as EFA requires; no port is open to the internet or the VPC.")
+        self.accounting = None if props.accounting_subnet_cidrs is None else AccountingNetwork(
+            self, "Accounting", props=AccountingNetworkProps(
+                vpc=self.vpc, subnet_cidrs=props.accounting_subnet_cidrs, cluster_security_group=self.security_group))
 
 
 class NetworkStack(cdk.Stack):
@@ -172,4 +178,5 @@ class NetworkStack(cdk.Stack):
         self.network = Network(self, "Network", props=NetworkProps(
             cidr=config.vpcCidr, az_id=config.availabilityZoneId,
             cluster_subnet_cidr=config.private_subnet_cidr, nat_subnet_cidr=config.public_subnet_cidr,
-            removal_policy=removal_policy(config)))
+            removal_policy=removal_policy(config),
+            accounting_subnet_cidrs=config.accounting_subnet_cidrs if config.slurmAccounting else None))

@@ -17,6 +17,7 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
+from stacks.accounting import AccountingDatabase, AccountingDatabaseProps
 from stacks.common import acknowledge, removal_policy
 from stacks.config import PlatformConfig
 from stacks.network import ACCESS_LOG_PREFIX, Network
@@ -55,7 +56,7 @@ class Buckets(Construct):
         self.key = kms.Key(
             self, "Key", enable_key_rotation=True, removal_policy=props.removal_policy,
             alias=f"alias/{props.project}-platform",
-            description=f"{props.project}: encrypts the platform buckets and the FSx file system")
+            description=f"{props.project}: encrypts the platform buckets, FSx, node EBS volumes and accounting DB")
         # FSx data repository associations read/write the SSE-KMS buckets as the FSx service-
         # linked role AWSServiceRoleForFSxS3Access_<fs-id>, which needs the key through S3
         # (docs.aws.amazon.com/fsx/latest/LustreGuide/s3-server-side-encryption-support.html).
@@ -73,6 +74,39 @@ class Buckets(Construct):
                 "ArnLike": {"aws:PrincipalArn": (
                     f"arn:{cdk.Aws.PARTITION}:iam::{cdk.Aws.ACCOUNT_ID}:role/aws-service-role/"
                     "s3.data-source.lustre.fsx.amazonaws.com/AWSServiceRoleForFSxS3Access_*")},
+            },
+        ))
+        # HyperPod node volumes on this key (VolumeKmsKeyId): the key policy lets the cluster
+        # execution role create grants for AWS resources through SageMaker and describe the
+        # key, as docs.aws.amazon.com/sagemaker/latest/dg/smcluster-cmk.html ("Permissions")
+        # lists. The role lives in the cluster stack, created after this key, and a key policy
+        # cannot name a principal that does not exist yet (nor may this stack import from the
+        # cluster stack), so the role is matched by the name CloudFormation gives it
+        # (<cluster stack name>-<logical id>-<suffix>). The execution role's own policy grants
+        # the same two actions (stacks/cluster.py, ExecutionRole).
+        execution_role_arn = (f"arn:{cdk.Aws.PARTITION}:iam::{cdk.Aws.ACCOUNT_ID}:role/"
+                              f"{props.project}-cluster-*")
+        self.key.add_to_resource_policy(iam.PolicyStatement(
+            sid="HyperPodNodeVolumesCreateGrant",
+            principals=[iam.AnyPrincipal()],
+            actions=["kms:CreateGrant"],
+            resources=["*"],
+            conditions={
+                "StringEquals": {"kms:CallerAccount": cdk.Aws.ACCOUNT_ID,
+                                 "kms:ViaService": f"sagemaker.{cdk.Aws.REGION}.amazonaws.com"},
+                "Bool": {"kms:GrantIsForAWSResource": "true"},
+                "ArnLike": {"aws:PrincipalArn": execution_role_arn},
+            },
+        ))
+        self.key.add_to_resource_policy(iam.PolicyStatement(
+            sid="HyperPodNodeVolumesDescribeKey",
+            principals=[iam.AnyPrincipal()],
+            actions=["kms:DescribeKey"],
+            resources=["*"],
+            conditions={
+                "StringEquals": {"kms:CallerAccount": cdk.Aws.ACCOUNT_ID,
+                                 "kms:ViaService": f"sagemaker.{cdk.Aws.REGION}.amazonaws.com"},
+                "ArnLike": {"aws:PrincipalArn": execution_role_arn},
             },
         ))
         names = bucket_names(props.project)
@@ -196,6 +230,10 @@ class StorageStack(cdk.Stack):
             security_group_rules=(network.self_ingress, network.self_egress),
             key=self.buckets.key, data=self.buckets.data, artefacts=self.buckets.artefacts,
             removal_policy=removal))
+        self.accounting = None if network.accounting is None else AccountingDatabase(
+            self, "SlurmAccounting", props=AccountingDatabaseProps(
+                project=config.projectName, vpc=network.vpc, network=network.accounting, key=self.buckets.key,
+                removal_policy=removal))
         # Outputs live where the values are made (an output re-exporting an import is W6001).
         cdk.CfnOutput(self, "FsxDnsName", value=self.file_system.dns_name, description="FSx for Lustre DNS name")
         cdk.CfnOutput(self, "FsxMountName", value=self.file_system.mount_name,

@@ -172,7 +172,7 @@ def test_readme_config_table_matches_cdk_json_defaults():
         row = re.search(rf"^\|\s*`{key}`\s*\|([^\n]*)$", readme, re.M)
         assert row, f"README.md configuration table has no row for {key}"
         if key in context and context[key] not in ("", None):
-            default = json.dumps(context[key]) if isinstance(context[key], bool) else str(context[key])
+            default = json.dumps(context[key]) if isinstance(context[key], (bool, list)) else str(context[key])
             assert default in row.group(1), f"README.md row for {key} does not show the cdk.json default {default}"
 
 

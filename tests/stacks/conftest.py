@@ -7,7 +7,10 @@ variants are chosen to cover every shape the issue names with three apps:
 - ``gpu_only``: p4d, no Trainium group, no login group; synthesized through the REAL CDK CLI
   with ``-c`` overrides, which proves the CLI path and that ``-c`` changes the cluster.
 - ``trn_only``: trn2.48xlarge, no GPU group, login on, pinned to us-east-2 (the region
-  where cfn-lint's pricing data lists trn2.48xlarge).
+  where cfn-lint's pricing data lists trn2.48xlarge), and continuousProvisioning off (the
+  legacy provisioning mode: no NodeProvisioningMode, node volumes on AWS owned keys).
+- ``accounting``: slurmAccounting on (Aurora MySQL + Secrets Manager + the DB subnets and
+  security group), with two users and a custom group.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gpu_only": {"gpuInstanceType": "ml.p4d.24xlarge", "trnInstanceCount": "0", "loginInstanceCount": "0",
                  "gpuInstanceCount": "4", "deepHealthChecks": "false"},
     "trn_only": {"gpuInstanceCount": 0, "trnInstanceType": "ml.trn2.48xlarge", "trnInstanceCount": 2,
-                 "region": "us-east-2", "availabilityZoneId": "use2-az3"},
+                 "region": "us-east-2", "availabilityZoneId": "use2-az3", "continuousProvisioning": False},
+    "accounting": {"slurmAccounting": "true", "clusterUsers": "ana:2001,ben:2002", "clusterGroup": "lab:3000"},
 }
 CLI_VARIANTS = {"gpu_only"}
 
@@ -43,6 +47,7 @@ class Synth:
     context: dict[str, Any]
     templates: dict[str, dict] = field(default_factory=dict)
     platform: Any = None  # stacks.platform.Platform for in-process variants
+    cli_output: str = ""  # stdout+stderr of `cdk synth` for CLI variants
     package_hash: str = ""  # of lifecycle_scripts/ + training/ at synth; "" if they changed during synth
 
     def template(self, stack: str):
@@ -86,6 +91,7 @@ class BackgroundCliSynth:
     def wait(self) -> None:
         output, _ = self.proc.communicate(timeout=600)
         assert self.proc.returncode == 0, output
+        self.output = output
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -112,10 +118,11 @@ def _synth(name: str, outdir: Path) -> Synth:
 
     context = VARIANTS[name]
     expected_hash = package_hash(LIFECYCLE_DIR, TRAINING_DIR)
+    cli_output = ""
     if name in CLI_VARIANTS:
         job = _BACKGROUND[name]
         job.wait()
-        outdir, expected_hash = job.outdir, job.hash_before
+        outdir, expected_hash, cli_output = job.outdir, job.hash_before, job.output
     else:
         from stacks.platform import build_app
 
@@ -124,7 +131,8 @@ def _synth(name: str, outdir: Path) -> Synth:
     if package_hash(LIFECYCLE_DIR, TRAINING_DIR) != expected_hash:
         expected_hash = ""  # edited while synthesizing (several engineers share this checkout)
     synth = Synth(name=name, outdir=outdir, context=context,
-                  platform=None if name in CLI_VARIANTS else platform, package_hash=expected_hash)
+                  platform=None if name in CLI_VARIANTS else platform, package_hash=expected_hash,
+                  cli_output=cli_output)
     project = context.get("projectName", "sana")
     for stack in STACKS:
         synth.templates[stack] = json.loads((outdir / f"{project}-{stack.lower()}.template.json").read_text())
@@ -165,3 +173,8 @@ def gpu_only(synthesized) -> Synth:
 @pytest.fixture(scope="session")
 def trn_only(synthesized) -> Synth:
     return synthesized("trn_only")
+
+
+@pytest.fixture(scope="session")
+def accounting(synthesized) -> Synth:
+    return synthesized("accounting")

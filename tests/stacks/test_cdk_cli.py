@@ -44,3 +44,25 @@ def test_app_entry_point_prints_the_one_line_and_exits_2():
     assert proc.stderr.strip().splitlines() == [
         "error: invalid context value gpuInstanceCount=0: at least one worker group is needed: set "
         "gpuInstanceCount or trnInstanceCount to 1 or more"]
+
+
+@pytest.mark.parametrize(("context", "line"), [
+    ({"slurmAccounting": "true", "continuousProvisioning": "false"},
+     "error: invalid context value slurmAccounting=True: an external accounting database is supported only "
+     "with Continuous node provisioning: set continuousProvisioning=true or slurmAccounting=false"),
+    ({"clusterUsers": "ana:2001,ben:2001"},
+     "error: invalid context value clusterUsers='ana:2001,ben:2001': duplicate uid 2001; allowed: each uid once"),
+])
+def test_app_refuses_bad_users_and_accounting_without_continuous_in_one_line(context, line):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "CDK_CONTEXT_JSON": json.dumps(context)}
+    proc = subprocess.run([sys.executable, "app.py"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [line]

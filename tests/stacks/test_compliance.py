@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("variant", ["default", "gpu_only", "trn_only"])
+@pytest.mark.parametrize("variant", ["default", "gpu_only", "trn_only", "accounting"])
 def test_audit_passes_with_zero_open_findings(synthesized, variant):
     result = audit(synthesized(variant).outdir)
     assert result.ok, render(result)
@@ -36,9 +36,10 @@ def test_every_acknowledgement_has_a_real_reason(default):
         assert finding.reason and len(finding.reason) > 60, finding
 
 
-def test_compliance_runbook_lists_every_acknowledged_rule(default):
+@pytest.mark.parametrize("variant", ["default", "accounting"])
+def test_compliance_runbook_lists_every_acknowledged_rule(synthesized, variant):
     runbook = (REPO / "runbooks" / "compliance.md").read_text()
-    result = audit(default.outdir, lint=False)
+    result = audit(synthesized(variant).outdir, lint=False)
     for finding in result.nag_acknowledged:
         rule = re.sub(r"\[.*", "", finding.rule)
         assert rule in runbook, rule

@@ -9,7 +9,7 @@ def make_trees(tmp_path):
     scripts, training = tmp_path / "lifecycle_scripts", tmp_path / "training"
     (scripts).mkdir()
     (training / "backends").mkdir(parents=True)
-    (scripts / "on_create.sh").write_text("#!/bin/bash\n")
+    (scripts / "on_init_complete.sh").write_text("#!/bin/bash\n")
     (training / "loop.py").write_text("x = 1\n")
     (training / "backends" / "gpu.py").write_text("y = 2\n")
     return scripts, training
@@ -21,7 +21,7 @@ def test_hash_changes_with_content_in_either_tree(tmp_path):
     assert len(first) == 16
     (training / "backends" / "gpu.py").write_text("y = 3\n")
     second = package_hash(scripts, training)
-    (scripts / "on_create.sh").write_text("#!/bin/bash\necho\n")
+    (scripts / "on_init_complete.sh").write_text("#!/bin/bash\necho\n")
     third = package_hash(scripts, training)
     assert len({first, second, third}) == 3
 
@@ -41,3 +41,11 @@ def test_moving_a_file_between_trees_changes_the_hash(tmp_path):
     before = package_hash(scripts, training)
     (training / "loop.py").rename(scripts / "loop.py")
     assert package_hash(scripts, training) != before
+
+
+def test_the_entry_script_the_cluster_names_is_in_the_lifecycle_package():
+    from stacks.cluster import LIFECYCLE_DIR, ON_INIT_COMPLETE, package_files
+
+    assert ON_INIT_COMPLETE == "on_init_complete.sh"
+    assert LIFECYCLE_DIR / ON_INIT_COMPLETE in set(package_files(LIFECYCLE_DIR))
+    assert not (LIFECYCLE_DIR / "on_create.sh").exists()  # Customer Managed mode's entry is gone

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stacks.config import ConfigError, PlatformConfig, az_id_prefix, check_known_keys
+from stacks.config import ConfigError, PlatformConfig, PosixAccount, az_id_prefix, check_known_keys
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,8 +18,10 @@ def test_cdk_json_context_equals_the_dataclass_defaults():
 
     context = json.loads((REPO / "cdk.json").read_text())["context"]
     ours = {k: v for k, v in context.items() if re.fullmatch(r"[a-z][a-zA-Z0-9]*", k)}
-    defaults = {f.name: f.default for f in dataclasses.fields(PlatformConfig)}
-    assert ours == defaults
+    assert ours == PlatformConfig.context_defaults()
+    # ...and cdk.json's values parse back to exactly the dataclass defaults.
+    assert PlatformConfig.from_context(ours) == PlatformConfig()
+    assert set(ours) == {f.name for f in dataclasses.fields(PlatformConfig)}
 
 
 def test_strings_from_cli_are_parsed():
@@ -79,6 +81,40 @@ BAD = [
     ({"deepHealthChecks": "maybe"}, "invalid context value deepHealthChecks='maybe': allowed: true or false"),
     ({"nodeRecovery": "auto"}, "invalid context value nodeRecovery='auto': allowed: Automatic, None"),
     ({"dataRemovalPolicy": "delete"}, "invalid context value dataRemovalPolicy='delete': allowed: retain, destroy"),
+    # cluster users and group
+    ({"clusterUsers": "ana:2001,ana:2002"},
+     "invalid context value clusterUsers='ana:2001,ana:2002': duplicate user name 'ana'; allowed: each name once"),
+    ({"clusterUsers": ["ana:2001", "ben:2001"]},
+     "invalid context value clusterUsers=['ana:2001', 'ben:2001']: duplicate uid 2001; allowed: each uid once"),
+    ({"clusterUsers": "ana:999"}, "invalid context value clusterUsers='ana:999': user id 999 is reserved; allowed: "
+                                  "1001-59999 (0-999 are system accounts, 1000 is the AMI's ubuntu user"),
+    ({"clusterUsers": "ana:1000"}, "invalid context value clusterUsers='ana:1000': user id 1000 is reserved"),
+    ({"clusterUsers": "ana:65534"}, "invalid context value clusterUsers='ana:65534': user id 65534 is reserved; "
+                                    "allowed: 1001-59999"),
+    ({"clusterUsers": "ana:60000"}, "invalid context value clusterUsers='ana:60000': user id 60000 is reserved"),
+    ({"clusterUsers": "Ana:2001"}, "invalid context value clusterUsers='Ana:2001': bad user name 'Ana'; allowed: "
+                                   "1-32 characters, a lower-case letter or '_' first"),
+    ({"clusterUsers": "1ana:2001"}, "invalid context value clusterUsers='1ana:2001': bad user name '1ana'"),
+    ({"clusterUsers": "a" * 33 + ":2001"}, "invalid context value clusterUsers='" + "a" * 33 + ":2001': bad user name"),
+    ({"clusterUsers": "ubuntu:2001"}, "invalid context value clusterUsers='ubuntu:2001': user name 'ubuntu' already "
+                                      "exists on HyperPod nodes"),
+    ({"clusterUsers": "ssm-user:2001"}, "invalid context value clusterUsers='ssm-user:2001': user name 'ssm-user'"),
+    ({"clusterUsers": "ana"}, "invalid context value clusterUsers='ana': allowed: user specs written name:id"),
+    ({"clusterUsers": "ana:x1"}, "invalid context value clusterUsers='ana:x1': user id 'x1' is not a number"),
+    ({"clusterUsers": " , "}, "invalid context value clusterUsers=' , ': allowed: at least one name:uid"),
+    ({"clusterUsers": []}, "invalid context value clusterUsers=[]: allowed: at least one name:uid"),
+    ({"clusterUsers": 2001}, "invalid context value clusterUsers=2001: allowed: a list of name:uid strings"),
+    ({"clusterGroup": "sana:2001"}, "invalid context value clusterGroup='sana:2001': gid 2001 is user researcher's uid"),
+    ({"clusterGroup": "researcher:3000"},
+     "invalid context value clusterGroup='researcher:3000': name 'researcher' is a user's name"),
+    ({"clusterGroup": "sana:500"}, "invalid context value clusterGroup='sana:500': group id 500 is reserved"),
+    ({"clusterGroup": "docker:3000"}, "invalid context value clusterGroup='docker:3000': group name 'docker' already"),
+    ({"clusterGroup": "sana"}, "invalid context value clusterGroup='sana': allowed: group specs written name:id"),
+    ({"continuousProvisioning": "sometimes"},
+     "invalid context value continuousProvisioning='sometimes': allowed: true or false"),
+    ({"slurmAccounting": "true", "continuousProvisioning": "false"},
+     "invalid context value slurmAccounting=True: an external accounting database is supported only with "
+     "Continuous node provisioning: set continuousProvisioning=true or slurmAccounting=false"),
 ]
 
 
@@ -96,3 +132,38 @@ def test_unknown_platform_key_is_rejected_but_cdk_keys_pass():
     with pytest.raises(ConfigError, match=r"^invalid context value gpuInstanceCont='2': unknown context key; "
                                           r"known keys: .*gpuInstanceCount"):
         check_known_keys({"gpuInstanceCont": "2"})
+
+
+def test_cluster_users_from_cdk_json_list_and_from_cli_string():
+    from_list = PlatformConfig.from_context({"clusterUsers": ["ana:2001", "ben:2002"], "clusterGroup": "lab:3000"})
+    from_cli = PlatformConfig.from_context({"clusterUsers": " ana:2001 , ben:2002 ", "clusterGroup": " lab:3000 "})
+    assert from_list == from_cli
+    assert from_list.clusterUsers == (PosixAccount("ana", 2001), PosixAccount("ben", 2002))
+    assert from_list.clusterGroup == PosixAccount("lab", 3000)
+    assert PlatformConfig().clusterUsers == (PosixAccount("researcher", 2001),)
+    # Boundaries of the allowed ID range are accepted.
+    assert PlatformConfig.from_context({"clusterUsers": "lo:1001,hi:59999"}).clusterUsers[1].id == 59999
+
+
+def test_users_built_in_python_are_validated_too():
+    with pytest.raises(ConfigError, match=r"^invalid context value clusterUsers=.*user id 0 is reserved"):
+        PlatformConfig(clusterUsers=(PosixAccount("ana", 0),))
+
+
+def test_settings_carry_users_group_home_root_and_accounting():
+    cfg = PlatformConfig.from_context({"clusterUsers": "ana:2001,ben:2002", "clusterGroup": "lab:3000",
+                                       "slurmAccounting": "true"})
+    settings = cfg.settings(region="us-east-1", data_bucket="d", artefacts_bucket="a", lifecycle_bucket="l",
+                            package_hash="0" * 16)
+    assert settings["cluster_group"] == {"name": "lab", "gid": 3000}
+    assert settings["cluster_users"] == [{"name": "ana", "uid": 2001}, {"name": "ben", "uid": 2002}]
+    assert settings["home_root"] == "/fsx/home"
+    assert settings["slurm_accounting"] is True
+
+
+def test_accounting_subnets_are_two_27s_after_the_nat_subnet():
+    cfg = PlatformConfig()
+    assert cfg.public_subnet_cidr == "10.0.128.0/28"
+    assert cfg.accounting_subnet_cidrs == ("10.0.128.32/27", "10.0.128.64/27")
+    small = PlatformConfig(vpcCidr="10.20.0.0/22")
+    assert small.accounting_subnet_cidrs == ("10.20.2.32/27", "10.20.2.64/27")

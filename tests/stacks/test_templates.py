@@ -152,7 +152,7 @@ def test_execution_policy_resources_are_this_platforms_arns(default):
         for text in rendered:
             if '":s3:::' in text:
                 assert any(f'":s3:::{n}' in text for n in ("sana-data-", "sana-artefacts-", "sagemaker-sana-lc-")), text
-            elif st["Sid"] == "UsePlatformKey":
+            elif st["Sid"] in ("UsePlatformKey", "GrantPlatformKeyToNodeVolumes"):
                 assert "Fn::ImportValue" in text and "Key" in text, text
             else:
                 assert ":ec2:" in text and '"Ref": "AWS::AccountId"' in text and '"Ref": "AWS::Region"' in text, text
@@ -169,16 +169,28 @@ def test_cluster_groups_types_counts_and_slurm(default):
         g = groups[name]
         assert (g["InstanceType"], g["InstanceCount"], g["SlurmConfig"]) == (itype, count, slurm)
     cluster = default.cluster()
-    assert cluster["Orchestrator"] == {"Slurm": {"SlurmConfigStrategy": "Managed"}}
+    assert cluster["Orchestrator"] == {"Slurm": {"SlurmConfigStrategy": "Managed"}}  # no accounting by default
+    assert cluster["NodeProvisioningMode"] == "Continuous"
     assert cluster["NodeRecovery"] == "Automatic"
     assert cluster["ClusterName"] == "sana-hyperpod"
     assert len(cluster["VpcConfig"]["Subnets"]) == 1
 
 
-def test_every_group_mounts_fsx_and_has_an_ebs_volume(default):
+def platform_key_import(synth) -> dict:
+    """The cluster stack's reference to the storage stack's KMS key ARN."""
+    (key_id,) = synth.resources("Storage", "AWS::KMS::Key")
+    (export,) = [name for name, out in synth.templates["Storage"]["Outputs"].items()
+                 if out["Value"] == {"Fn::GetAtt": [key_id, "Arn"]}]
+    return {"Fn::ImportValue": synth.templates["Storage"]["Outputs"][export]["Export"]["Name"]}
+
+
+def test_every_group_mounts_fsx_and_encrypts_root_and_secondary_ebs_with_the_platform_key(default):
+    key = platform_key_import(default)
     for g in default.groups().values():
-        ebs, lustre = g["InstanceStorageConfigs"]
-        assert ebs == {"EbsVolumeConfig": {"VolumeSizeInGB": 500}}
+        root, ebs, lustre = g["InstanceStorageConfigs"]
+        # smcluster-cmk: the root entry has RootVolume + key and no size; the secondary has both.
+        assert root == {"EbsVolumeConfig": {"RootVolume": True, "VolumeKmsKeyId": key}}
+        assert ebs == {"EbsVolumeConfig": {"VolumeSizeInGB": 500, "VolumeKmsKeyId": key}}
         assert lustre["FsxLustreConfig"]["MountPath"] == "/fsx"
         assert "DNSName" in json.dumps(lustre["FsxLustreConfig"]["DnsName"])
         assert "LustreMountName" in json.dumps(lustre["FsxLustreConfig"]["MountName"])
@@ -208,7 +220,9 @@ def test_lifecycle_uri_has_the_content_hash_prefix(default):
     expected_hash = deployed_hash(default)
     for g in default.groups().values():
         lc = g["LifeCycleConfig"]
-        assert lc["OnCreate"] == "on_create.sh"
+        # Extended mode: OnInitComplete, never OnCreate (Customer Managed mode: no Slurm).
+        assert set(lc) == {"SourceS3Uri", "OnInitComplete"}
+        assert lc["OnInitComplete"] == "on_init_complete.sh"
         parts = lc["SourceS3Uri"]["Fn::Join"][1]
         assert parts[0] == "s3://sagemaker-sana-lc-" and parts[-1] == f"/lifecycle/{expected_hash}/"
 
@@ -255,7 +269,55 @@ def test_platform_settings_json_follows_the_contract(default):
         "neuron_pip_index": "https://pip.repos.neuron.amazonaws.com",
         "rendezvous_port": 29500,
         "envs": {"gpu": "/fsx/envs/gpu", "neuron": "/fsx/envs/neuron"},
+        "cluster_group": {"name": "sana", "gid": 2000},
+        "cluster_users": [{"name": "researcher", "uid": 2001}],
+        "home_root": "/fsx/home",
+        "slurm_accounting": False,
     }
+
+
+def test_execution_role_may_create_grants_on_the_platform_key_for_node_volumes(default):
+    (policy,) = default.resources("Cluster", "AWS::IAM::ManagedPolicy").values()
+    statements = {st["Sid"]: st for st in policy["Properties"]["PolicyDocument"]["Statement"]}
+    grant = statements["GrantPlatformKeyToNodeVolumes"]
+    assert grant["Action"] == "kms:CreateGrant"
+    assert grant["Resource"] == platform_key_import(default)
+    assert grant["Condition"]["Bool"] == {"kms:GrantIsForAWSResource": "true"}
+    assert grant["Condition"]["StringEquals"] == {"kms:ViaService": {"Fn::Join": [
+        "", ["sagemaker.", {"Ref": "AWS::Region"}, ".amazonaws.com"]]}}
+    assert "kms:DescribeKey" in statements["UsePlatformKey"]["Action"]
+    assert "ReadAccountingDatabaseSecret" not in statements
+
+
+def test_key_policy_lets_the_cluster_roles_create_grants_via_sagemaker(default):
+    via_sagemaker = {"Fn::Join": ["", ["sagemaker.", {"Ref": "AWS::Region"}, ".amazonaws.com"]]}
+    cluster_roles = {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":iam::", {"Ref": "AWS::AccountId"},
+                                       ":role/sana-cluster-*"]]}
+    t = default.template("Storage")
+    t.has_resource_properties("AWS::KMS::Key", {"KeyPolicy": {"Statement": Match.array_with([
+        Match.object_like({"Sid": "HyperPodNodeVolumesCreateGrant", "Action": "kms:CreateGrant", "Effect": "Allow",
+                           "Condition": {"StringEquals": {"kms:CallerAccount": {"Ref": "AWS::AccountId"},
+                                                          "kms:ViaService": via_sagemaker},
+                                         "Bool": {"kms:GrantIsForAWSResource": "true"},
+                                         "ArnLike": {"aws:PrincipalArn": cluster_roles}}}),
+        Match.object_like({"Sid": "HyperPodNodeVolumesDescribeKey", "Action": "kms:DescribeKey",
+                           "Condition": Match.object_like({"ArnLike": {"aws:PrincipalArn": cluster_roles}})}),
+    ])}})
+    # The pattern must match the execution role's real name: CloudFormation names it
+    # <stack name>-<logical id>-<suffix>, and the stack is named <project>-cluster.
+    assert default.platform.cluster.stack_name == "sana-cluster"
+    (role,) = default.resources("Cluster", "AWS::IAM::Role").keys() - {
+        k for k in default.resources("Cluster", "AWS::IAM::Role") if "CDKBucketDeployment" in k}
+    assert "RoleName" not in default.resources("Cluster", "AWS::IAM::Role")[role]["Properties"]
+    # No encryption-context condition anywhere in the key policy: HyperPod cannot pass one.
+    (key,) = default.resources("Storage", "AWS::KMS::Key").values()
+    assert "EncryptionContext" not in json.dumps(key["Properties"]["KeyPolicy"])
+
+
+def test_no_accounting_resources_by_default(default):
+    assert not default.resources("Storage", "AWS::RDS::DBCluster")
+    assert not default.resources("Storage", "AWS::SecretsManager::Secret")
+    assert len(default.resources("Network", "AWS::EC2::SecurityGroup")) == 1
 
 
 def test_outputs(default):
