@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests drive for real: Slurm daemons + munge
-# (job-script tests), gcc (the Slurm fixture compiles a small SPANK plugin standing in for
-# HyperPod's --auto-resume option) and shellcheck. Skips apt entirely when all are present.
+# (job-script tests), MariaDB + slurmdbd (Slurm accounting: the fixture runs slurmdbd on a
+# private MariaDB and the tests read jobs back with sacct), gcc (the Slurm fixture compiles a
+# small SPANK plugin standing in for HyperPod's --auto-resume option) and shellcheck. Skips
+# apt entirely when all are present.
 set -euo pipefail
 
-readonly PACKAGES=(slurm-wlm munge gcc shellcheck)
+readonly PACKAGES=(slurm-wlm munge mariadb-server slurmdbd gcc shellcheck)
 
 all_present() {
-  command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
-    && command -v munged >/dev/null && command -v shellcheck >/dev/null \
-    && command -v cc >/dev/null
+  local tool
+  for tool in slurmctld slurmd munged mariadbd mariadb-install-db slurmdbd sacct shellcheck cc; do
+    command -v "$tool" >/dev/null || return 1
+  done
 }
 
 install_packages() {
@@ -17,6 +20,8 @@ install_packages() {
   if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
   echo "install-system-packages: installing ${PACKAGES[*]}"
   $sudo apt-get update -qq
+  # mariadb-server's postinst starts the system MariaDB where an init system runs; the tests
+  # use their own instance (own datadir, socket and port), never that one.
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >/dev/null
 }
 

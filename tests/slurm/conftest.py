@@ -1,23 +1,36 @@
-"""A real Slurm cluster of one node on localhost: munged, slurmctld and slurmd from Debian.
+"""A real Slurm cluster of one node on localhost: munged, slurmctld and slurmd from Debian,
+plus Slurm accounting (slurmdbd on a real MariaDB) where those are installed.
 
 The job scripts are proven by submitting them to the same daemons the cluster runs, not by
 reading them. Everything lives in a private temp dir (own munge key and socket, own ports,
-state, spool and logs), so nothing touches a system Slurm or munge. The container has no
-cgroups, so the config uses proctrack/linuxproc and task/none.
+state, spool, database and logs), so nothing touches a system Slurm, munge or MariaDB. The
+container has no cgroups, so the config uses proctrack/linuxproc and task/none.
+
+As on the cluster, jobs run as an unprivileged user: the fixture creates one (own group, home
+in the temp dir; removed at the end) and `SlurmCluster.sbatch(..., user=cluster.user)` submits
+as it with runuser. The node advertises `Gres=gpu:8` like a HyperPod GPU node, so a job
+script's GPU request is checked by slurmctld and slurmd hands the GPUs to the job's steps
+(CUDA_VISIBLE_DEVICES); gres.conf's "devices" are plain files, no GPU is behind them.
 
 Binaries missing -> the tests skip and say `make setup`; binaries present but the daemons
 do not come up -> skip with the daemon logs. SANA_REQUIRE_SLURM=1 (set by .ci/run) turns
-both into failures, so the Slurm tests can never silently stop running in CI.
+both into failures, so the Slurm tests can never silently stop running in CI. MariaDB or
+slurmdbd missing -> the cluster runs without accounting and only the sacct test skips (fails
+under SANA_REQUIRE_SLURM).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import pwd
 import re
+import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -31,6 +44,10 @@ REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "training" / "slurm"
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "squeue", "scancel", "scontrol", "sinfo", "srun")
+#: Slurm accounting (optional: without them the cluster runs with accounting_storage/none)
+ACCOUNTING = ("mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", "sacctmgr", "sacct")
+#: GPUs the local node advertises as GRES, as a p5/p4d node does on HyperPod
+GPUS_PER_NODE = 8
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 
@@ -78,8 +95,16 @@ def _slurmd_version() -> str:
 
 
 def _slurm_conf(root: Path, *, node: str, hardware: str, ctld_port: int, slurmd_port: int,
-                plugstack: Path | None) -> str:
+                plugstack: Path | None, dbd_port: int | None) -> str:
     plugstack_line = f"PlugStackConfig={plugstack}" if plugstack else "# no C compiler: no SPANK stub"
+    if dbd_port is None:
+        accounting = "AccountingStorageType=accounting_storage/none"
+    else:
+        # slurm.conf(5): AccountingStorageType=accounting_storage/slurmdbd, Host/Port = slurmdbd's.
+        # AccountingStoragePass: the munge socket for slurmdbd traffic (default: the system one).
+        accounting = (f"AccountingStorageType=accounting_storage/slurmdbd\n"
+                      f"AccountingStorageHost=127.0.0.1\nAccountingStoragePort={dbd_port}\n"
+                      f"AccountingStoragePass={root}/munge-run/munge.socket")
     return f"""\
 ClusterName=sanatest
 {plugstack_line}
@@ -101,8 +126,12 @@ SlurmdLogFile={root}/log/slurmd.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+{accounting}
 JobCompType=jobcomp/none
+# HyperPod GPU nodes carry Gres=gpu:<n> (awslabs/awsome-distributed-ai,
+# 1.architectures/5.sagemaker-hyperpod/tools/devops-agent/docs/hyperpod-mental-model.md,
+# "Slurm auto-resume requeues ... on GRES nodes"); gres.conf next to this file gives the count.
+GresTypes=gpu
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 # builtin schedules on submit and on every job end (backfill would add its 30 s cycle).
@@ -114,10 +143,23 @@ SlurmdTimeout=60
 KillWait=5
 InactiveLimit=0
 MinJobAge=600
-NodeName={node} NodeAddr=127.0.0.1 NodeHostname={node} {hardware} State=UNKNOWN
+NodeName={node} NodeAddr=127.0.0.1 NodeHostname={node} {hardware} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN
 PartitionName=gpu Nodes={node} Default=YES MaxTime=INFINITE State=UP
 PartitionName=trn Nodes={node} MaxTime=INFINITE State=UP
 """
+
+
+@dataclass
+class JobUser:
+    """The unprivileged account jobs run as (the cluster's `researcher`): name, ids, home."""
+
+    name: str
+    uid: int
+    gid: int
+    group: str
+    home: Path
+    #: created by this fixture (and so removed at the end), not a pre-existing account
+    created: bool = False
 
 
 @dataclass
@@ -130,6 +172,18 @@ class SlurmCluster:
     #: where the auto-resume SPANK stub records `srun --auto-resume` (None: stub not built)
     auto_resume_record: Path | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    #: who the tests submit as (`sbatch(..., user=cluster.user)`); None until booted
+    job_user: JobUser | None = None
+    #: True when slurmctld stores jobs in slurmdbd/MariaDB (then `sacct` works)
+    accounting: bool = False
+    #: why there is no accounting (the missing binaries), for the test that needs it
+    no_accounting_reason: str = ""
+    gpus_per_node: int = GPUS_PER_NODE
+
+    @property
+    def user(self) -> str | None:
+        """The unprivileged user's name (None: no user could be created)."""
+        return self.job_user.name if self.job_user else None
 
     def env(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ, SLURM_CONF=str(self.conf))
@@ -142,11 +196,19 @@ class SlurmCluster:
             raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc.stdout
 
+    def as_user(self, user: str | None, argv: list[str]) -> list[str]:
+        """``argv`` run as ``user`` (runuser keeps the environment, as `sudo -E` would not by
+        default); unchanged for None or when that is who we already are."""
+        if user is None or user == pwd.getpwuid(os.getuid()).pw_name:
+            return argv
+        return ["runuser", "-u", user, "--", *argv]
+
     def sbatch(self, script: Path, *args: str, options: tuple[str, ...] = (), env: dict[str, str],
-               cwd: Path) -> int:
-        """Submit like a researcher on the login node; returns the job id."""
-        proc = subprocess.run(["sbatch", "--parsable", *options, str(script), *args],
-                              capture_output=True, text=True, env=self.env(**env), cwd=cwd, timeout=60)
+               cwd: Path, user: str | None = None) -> int:
+        """Submit like a researcher on the login node (as ``user``; default: this process's
+        user, root in the container); returns the job id."""
+        argv = self.as_user(user, ["sbatch", "--parsable", *options, str(script), *args])
+        proc = subprocess.run(argv, capture_output=True, text=True, env=self.env(**env), cwd=cwd, timeout=60)
         if proc.returncode != 0:
             raise RuntimeError(f"sbatch {script.name} failed: {proc.stderr.strip()}")
         return int(proc.stdout.strip().split(";")[0])
@@ -181,6 +243,15 @@ class SlurmCluster:
             time.sleep(0.5)
         raise TimeoutError(f"node {self.node} is '{state}', not idle, after {timeout:.0f} s")
 
+    def sacct(self, *job_ids: int) -> dict[int, dict[str, str]]:
+        """The accounting database's record of each job (allocations only, `sacct -X`):
+        {job id: {"State": ..., "User": ..., "JobName": ..., "ExitCode": ...}}."""
+        fields = ("JobID", "JobName", "User", "State", "ExitCode")
+        out = self.run("sacct", "-X", "-n", "-P", "--starttime=now-1days", "-o", ",".join(fields),
+                       "-j", ",".join(map(str, job_ids)))
+        rows = [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines() if line]
+        return {int(row.pop("JobID")): row for row in rows}
+
     def logs(self) -> str:
         parts = []
         for name in sorted((self.root / "log").glob("*")):
@@ -197,16 +268,50 @@ class SlurmCluster:
                 self.run("scancel", *jobs, check=False)
                 with contextlib.suppress(TimeoutError):
                     self.wait_node_idle(timeout=60)
-        # Reverse start order: slurmd, slurmctld, then munged; each by the PID we started.
+        # Reverse start order: slurmd, slurmctld, slurmdbd, mariadbd, then munged; each by the
+        # PID we started.
         for name in reversed(list(self.procs)):
             proc = self.procs[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
-                    proc.wait(timeout=15)
+                    proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(timeout=5)
+
+
+def install_package(platform_dir: Path, *, name: str | None = None, src: Path = REPO / "training",
+                    owner_uid: int = 0) -> Path:
+    """Install ``src`` (the training package) at <platform_dir>/<name>/training the way
+    lifecycle_scripts/install_package.sh does on the cluster: root-owned, u+rwX,go+rX,go-w,
+    so a job running as a user cannot write into it. ``name`` defaults to a content hash of
+    the tree (the cluster's is stacks/cluster.py package_hash). Returns <platform_dir>/<name>."""
+    files = sorted(p for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    if name is None:
+        digest = hashlib.sha256()
+        for path in files:
+            digest.update(str(path.relative_to(src)).encode() + b"\0" + path.read_bytes())
+        name = digest.hexdigest()[:12]
+    dest = platform_dir / name
+    shutil.copytree(src, dest / "training", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [dest, *dest.rglob("*")]:
+        mode = path.stat().st_mode
+        keep_x = stat.S_IXUSR if path.is_dir() or mode & stat.S_IXUSR else 0
+        path.chmod(0o644 | (0o111 if keep_x else 0))
+        if os.getuid() == 0:
+            os.chown(path, owner_uid, 0, follow_symlinks=False)
+    platform_dir.chmod(0o755)
+    return dest
+
+
+def point_current(platform_dir: Path, name: str) -> None:
+    """Swap <platform_dir>/current to ``name`` atomically (rename over the old link), as
+    lifecycle_scripts/common.sh point_link does."""
+    tmp = platform_dir / f".current.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(name)
+    tmp.replace(platform_dir / "current")
 
 
 def _start(cluster: SlurmCluster, name: str, argv: list[str]) -> None:
@@ -227,7 +332,122 @@ def _wait_for(what: str, cluster: SlurmCluster, ready, timeout: float = 30.0) ->
         time.sleep(0.3)
 
 
-def _boot(cluster: SlurmCluster) -> None:
+def _create_job_user(root: Path) -> JobUser:
+    """An unprivileged account for the jobs: created (own group, home under ``root``) when we
+    are root; otherwise we already are one, and the jobs run as us."""
+    me = pwd.getpwuid(os.getuid())
+    if os.getuid() != 0 or shutil.which("useradd") is None:
+        return JobUser(name=me.pw_name, uid=me.pw_uid, gid=me.pw_gid, group=str(me.pw_gid), home=Path(me.pw_dir))
+    # Per session (pid): two sessions may share the machine, and each removes its own user.
+    name = f"sanajob{os.getpid()}"
+    home = root / "home" / name
+    home.parent.mkdir(mode=0o755)
+    subprocess.run(["groupadd", name], check=True, capture_output=True)
+    try:
+        subprocess.run(["useradd", "--gid", name, "--home-dir", str(home), "--create-home",
+                        "--shell", "/bin/bash", name], check=True, capture_output=True)
+    except subprocess.CalledProcessError:
+        subprocess.run(["groupdel", name], capture_output=True)
+        raise
+    entry = pwd.getpwnam(name)
+    return JobUser(name=name, uid=entry.pw_uid, gid=entry.pw_gid, group=name, home=home, created=True)
+
+
+def _remove_job_user(user: JobUser | None) -> None:
+    if user is None or not user.created:
+        return
+    subprocess.run(["userdel", user.name], capture_output=True)
+    subprocess.run(["groupdel", user.group], capture_output=True)
+
+
+def _prepare_accounting(root: Path) -> tuple[int | None, str]:
+    """Ports for slurmdbd (None: accounting off) and, when off, why."""
+    missing = [tool for tool in ACCOUNTING if shutil.which(tool) is None]
+    if missing:
+        return None, (f"Slurm accounting not installed ({', '.join(missing)} missing); "
+                      "run `make setup` (scripts/install-system-packages.sh installs mariadb-server and slurmdbd)")
+    return _free_port(), ""
+
+
+def _boot_mariadb(cluster: SlurmCluster, *, port: int) -> None:
+    """A private MariaDB on 127.0.0.1:<port> (own datadir and socket), run as the `mysql`
+    system account where it exists (mariadbd drops root itself with --user), with the
+    database user slurmdbd logs in as."""
+    root = cluster.root
+    data, run = root / "mariadb" / "data", root / "mariadb" / "run"
+    for sub in (data, run):
+        sub.mkdir(parents=True)
+    (root / "mariadb").chmod(0o755)
+    error_log = root / "log" / "mariadbd.log"  # with the other daemons' logs (cluster.logs())
+    error_log.touch()
+    try:
+        account = pwd.getpwnam("mysql").pw_name if os.getuid() == 0 else pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        account = "root"
+    for path in (data, run, error_log):
+        shutil.chown(path, user=account)
+    common = ["--no-defaults", f"--datadir={data}", f"--user={account}"]
+    install = subprocess.run(["mariadb-install-db", *common, "--auth-root-authentication-method=socket",
+                              "--skip-test-db", "--skip-name-resolve"],
+                             capture_output=True, text=True, timeout=120)
+    if install.returncode != 0:
+        raise RuntimeError(f"mariadb-install-db failed: {install.stdout[-2000:]}{install.stderr[-2000:]}")
+    sock = run / "mysqld.sock"
+    # Small buffers and no binlog: a test database of a few rows, started once per session.
+    _start(cluster, "mariadbd", ["mariadbd", *common, f"--socket={sock}", f"--port={port}",
+                                 "--bind-address=127.0.0.1", "--skip-name-resolve", "--skip-log-bin",
+                                 f"--pid-file={run}/mariadbd.pid", f"--log-error={error_log}",
+                                 "--innodb-buffer-pool-size=16M", "--innodb-log-file-size=8M"])
+    _wait_for("mariadbd socket", cluster, sock.exists, timeout=60)
+    password = secrets.token_hex(16)
+    # slurmdbd connects over TCP (StorageHost=127.0.0.1); root gets in over the socket as the
+    # OS root (unix_socket authentication), so no root password exists anywhere.
+    sql = (f"CREATE USER 'slurm'@'127.0.0.1' IDENTIFIED BY '{password}';"
+           "GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';")
+    client = ["mariadb", "--no-defaults", f"--socket={sock}", "-u", "root", "-e", sql]
+    grant = subprocess.run(client, capture_output=True, text=True, timeout=60)
+    if grant.returncode != 0:
+        raise RuntimeError(f"cannot create the slurmdbd database user: {grant.stderr.strip()}")
+    (root / "mariadb" / "password").write_text(password)
+
+
+def _boot_slurmdbd(cluster: SlurmCluster, *, dbd_port: int, db_port: int) -> None:
+    root = cluster.root
+    conf = root / "slurmdbd.conf"
+    # slurmdbd.conf(5): readable by SlurmUser only (it holds StoragePass); slurmdbd refuses
+    # a file others can read.
+    conf.write_text(f"""\
+AuthType=auth/munge
+AuthInfo=socket={root}/munge-run/munge.socket
+DbdHost=localhost
+DbdAddr=127.0.0.1
+DbdPort={dbd_port}
+SlurmUser={pwd.getpwuid(os.getuid()).pw_name}
+LogFile={root}/log/slurmdbd.log
+PidFile={root}/run/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={db_port}
+StorageUser=slurm
+StoragePass={(root / "mariadb" / "password").read_text()}
+StorageLoc=slurm_acct_db
+""")
+    conf.chmod(0o600)
+    # slurmdbd has no -f: it reads slurmdbd.conf from the directory of $SLURM_CONF.
+    _start(cluster, "slurmdbd", ["slurmdbd", "-D", "-vv"])
+
+    def dbd_up() -> bool:
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", dbd_port)) == 0
+    _wait_for("slurmdbd", cluster, dbd_up, timeout=90)  # it creates its tables first
+    # slurmctld registers with slurmdbd under ClusterName; the cluster must exist there.
+    add = subprocess.run(["sacctmgr", "-i", "add", "cluster", "sanatest"], capture_output=True, text=True,
+                         env=cluster.env(), timeout=60)
+    if add.returncode != 0 and "already exists" not in add.stdout + add.stderr:
+        raise RuntimeError(f"sacctmgr add cluster failed: {add.stdout}{add.stderr}")
+
+
+def _boot(cluster: SlurmCluster, *, dbd_port: int | None) -> None:
     root = cluster.root
     munge_key_dir, munge_run = root / "munge-key", root / "munge-run"
     for sub in ("state", "spool", "log", "run"):
@@ -244,6 +464,11 @@ def _boot(cluster: SlurmCluster) -> None:
         f"--pid-file={munge_run}/munged.pid", f"--seed-file={munge_key_dir}/munged.seed",
         f"--log-file={root}/log/munged.log"])
     _wait_for("munged socket", cluster, socket_path.exists)
+
+    if dbd_port is not None:
+        db_port = _free_port()
+        _boot_mariadb(cluster, port=db_port)
+        _boot_slurmdbd(cluster, dbd_port=dbd_port, db_port=db_port)
 
     _start(cluster, "slurmctld", ["slurmctld", "-D", "-vv", "-f", str(cluster.conf)])
     _wait_for("slurmctld", cluster,
@@ -269,21 +494,38 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         reason = f"Slurm/munge not installed ({', '.join(missing)} missing); run `make setup`"
         skip_unless_required(reason)
     # Not pytest's tmp_path: munged needs every directory above its socket to be traversable,
-    # and pytest's base dir is 0700.
+    # and pytest's base dir is 0700 (the job user could not reach it either).
     root = Path(tempfile.mkdtemp(prefix="sana-slurm-"))
     root.chmod(0o755)
     node = socket.gethostname().split(".")[0]
     conf = root / "slurm.conf"
     plugstack = _build_auto_resume_stub(root)
+    dbd_port, no_accounting = _prepare_accounting(root)
     conf.write_text(_slurm_conf(root, node=node, hardware=_node_hardware(), ctld_port=_free_port(),
-                                slurmd_port=_free_port(), plugstack=plugstack))
+                                slurmd_port=_free_port(), plugstack=plugstack, dbd_port=dbd_port))
+    # gres.conf(5), next to slurm.conf. slurmd drops a GPU without File ("Removing file-less
+    # GPU"), so each GPU is a plain file standing for /dev/nvidiaN: no device behind it, but
+    # Slurm allocates them per job and step and sets CUDA_VISIBLE_DEVICES as on a GPU node.
+    devices = root / "dev"
+    devices.mkdir()
+    for index in range(GPUS_PER_NODE):
+        (devices / f"nvidia{index}").touch()
+    (root / "gres.conf").write_text(f"NodeName={node} Name=gpu File={devices}/nvidia[0-{GPUS_PER_NODE - 1}]\n")
     cluster = SlurmCluster(root=root, conf=conf, node=node,
-                           auto_resume_record=root / "auto-resume.record" if plugstack else None)
+                           auto_resume_record=root / "auto-resume.record" if plugstack else None,
+                           accounting=dbd_port is not None, no_accounting_reason=no_accounting)
     try:
-        _boot(cluster)
+        cluster.job_user = _create_job_user(root)
+        if cluster.auto_resume_record is not None:
+            # The stub appends from inside the job's tasks, i.e. as the job's user.
+            cluster.auto_resume_record.touch()
+            cluster.auto_resume_record.chmod(0o666)
+        _boot(cluster, dbd_port=dbd_port)
     except Exception as exc:  # noqa: BLE001 - reported with the daemon logs
         cluster.stop()
+        _remove_job_user(cluster.job_user)
         reason = f"Slurm daemons did not start: {exc}\n{cluster.logs()}"
+        shutil.rmtree(root, ignore_errors=True)
         skip_unless_required(reason)
     saved = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(conf)
@@ -295,4 +537,5 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         else:
             os.environ["SLURM_CONF"] = saved
         cluster.stop()
+        _remove_job_user(cluster.job_user)
         shutil.rmtree(root, ignore_errors=True)

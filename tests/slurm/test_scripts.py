@@ -26,7 +26,26 @@ def shellcheck() -> str:
 
 
 def test_the_four_job_scripts_and_the_launcher_exist():
-    assert sorted(p.name for p in SCRIPTS) == sorted([*PARTITIONS, "launch.sh"])
+    assert {*PARTITIONS, "launch.sh"} <= {p.name for p in SCRIPTS}
+
+
+def header(path: Path) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", path.read_text(), re.M))
+
+
+@pytest.mark.parametrize("path", sorted(SLURM_DIR.glob("*.sbatch")), ids=lambda p: p.name)
+def test_every_job_script_appends_slurms_output_under_fsx_logs(path):
+    """Contract: absolute, under the shared /fsx/logs (never the package tree or the cwd),
+    appended so a requeue (HyperPod auto-resume) keeps the earlier output."""
+    assert header(path)["output"] == "/fsx/logs/slurm/%x-%j.out"
+    assert header(path)["open-mode"] == "append"
+
+
+@pytest.mark.parametrize("name", ["train-gpu.sbatch", "precompute.sbatch", "bench.sbatch"])
+def test_gpu_job_scripts_request_the_gpus_as_gres(name):
+    """--exclusive alone gives srun steps no GPUs (srun(1) --gres); the scripts ask explicitly."""
+    assert header(SLURM_DIR / name)["gres"] == "gpu:8"
+    assert "gres" not in header(SLURM_DIR / "train-trainium.sbatch")
 
 
 def test_scripts_are_shellcheck_clean():
@@ -36,11 +55,11 @@ def test_scripts_are_shellcheck_clean():
 
 @pytest.mark.parametrize("name", sorted(PARTITIONS))
 def test_sbatch_header_asks_for_whole_nodes_one_task_each_on_its_partition(name):
-    header = dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?", (SLURM_DIR / name).read_text(), re.M))
-    assert header["partition"] == PARTITIONS[name]
-    assert header["ntasks-per-node"] == "1"
-    assert "exclusive" in header
-    assert header["nodes"].isdigit()
+    fields = header(SLURM_DIR / name)
+    assert fields["partition"] == PARTITIONS[name]
+    assert fields["ntasks-per-node"] == "1"
+    assert "exclusive" in fields
+    assert fields["nodes"].isdigit()
 
 
 def test_launcher_refuses_to_run_outside_a_slurm_job(tmp_path):
@@ -56,3 +75,55 @@ def test_launcher_names_an_unknown_kind(tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 1
     assert "unknown job kind 'cuda'; use gpu, trainium, precompute or bench" in proc.stderr
+
+
+def launcher_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A batch step's environment without daemons: job id/name set, no profile, FSx in tmp."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SANA_"))}
+    env.update(SLURM_JOB_ID="7", SLURM_JOB_NAME="pin", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="n1",
+               SANA_PROFILE=str(tmp_path / "no-profile"), SANA_FSX=str(tmp_path / "fsx"),
+               SANA_HYPERPOD_DIR=str(tmp_path / "no-hyperpod"))
+    env.update(extra)
+    return env
+
+
+def test_first_start_pins_the_resolved_package_and_env_with_their_hashes(tmp_path):
+    envs = tmp_path / "fsx" / "envs"
+    (envs / "gpu-abcdef012345").mkdir(parents=True)
+    (envs / "gpu-abcdef012345" / ".sana-env-ready").write_text("key=abcdef012345 built_by=n1 at=x requirements=r\n")
+    (envs / "gpu").symlink_to("gpu-abcdef012345")
+    # srun is where this test stops: a stand-in that records what the step would inherit.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nenv > {tmp_path}/step.env\n")
+    (bin_dir / "srun").chmod(0o755)
+    # A first start (no SLURM_RESTART_COUNT) pins afresh over a stale file (an earlier
+    # cluster's job with the same name and id).
+    stale = tmp_path / "fsx" / "logs" / "pin-7" / "pinned-env"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("SANA_PACKAGE_ROOT=/nowhere\nSANA_ENV_PATH=/nowhere\n")
+    env = launcher_env(tmp_path, PATH=f"{bin_dir}:{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(SLURM_DIR / "launch.sh"), "job", "gpu"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    pinned = dict(line.split("=", 1) for line in
+                  (tmp_path / "fsx" / "logs" / "pin-7" / "pinned-env").read_text().splitlines())
+    assert pinned == {"SANA_PACKAGE_ROOT": str(REPO), "SANA_PACKAGE_HASH": pinned["SANA_PACKAGE_HASH"],
+                      "SANA_ENV_PATH": str(envs / "gpu-abcdef012345"), "SANA_ENV_HASH": "abcdef012345"}
+    assert re.fullmatch(r"tree-[0-9a-f]{12}", pinned["SANA_PACKAGE_HASH"])  # a checkout, not /fsx/platform/<hash>
+    step = (tmp_path / "step.env").read_text()
+    assert f"SANA_ENV_PATH={envs / 'gpu-abcdef012345'}\n" in step and "SANA_ENV_HASH=abcdef012345\n" in step
+
+
+def test_a_rerun_whose_pinned_package_is_gone_fails_in_one_line(tmp_path):
+    logs = tmp_path / "fsx" / "logs" / "pin-7"
+    logs.mkdir(parents=True)
+    gone = tmp_path / "fsx" / "platform" / "0123456789ab"
+    (logs / "pinned-env").write_text(f"SANA_PACKAGE_ROOT={gone}\nSANA_PACKAGE_HASH=0123456789ab\n"
+                                     f"SANA_ENV_PATH={tmp_path}/env\nSANA_ENV_HASH=\n")
+    proc = subprocess.run(["bash", str(SLURM_DIR / "launch.sh"), "job", "gpu"], capture_output=True, text=True,
+                          env=launcher_env(tmp_path, SLURM_RESTART_COUNT="1"), cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"launch.sh: the package job 7 was pinned to ({gone}, in {logs / 'pinned-env'}) is gone; "
+        "resubmit the job to run the current package")

@@ -10,12 +10,16 @@
 #
 # KIND is gpu | trainium | precompute | bench. CONFIG is a YAML file (gpu, trainium, bench;
 # default: the 600M preset; precompute takes none); ARGS go to the entrypoint unchanged.
+# The job runs as the submitting user and writes only under $SANA_LOG_ROOT and
+# $SANA_CHECKPOINT_ROOT (the package tree is root's and read-only). The package and env are
+# resolved once per job and pinned for its reruns (pin_job_environment).
 # Operator guide: runbooks/train-slurm.md.
 set -euo pipefail
 
 # training/slurm/launch.sh -> the directory that holds the `training` package, with symlinks
-# resolved (pwd -P): /fsx/platform/current moves when the platform is updated, and every node
-# and every HyperPod rerun of this job must keep running the code the job started with.
+# resolved (pwd -P): /fsx/platform/current moves when the platform is updated (rollout), and
+# every node and every rerun of this job must keep running the code the job started with
+# (pin_job_environment below makes that hold across requeues too).
 PACKAGE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd -P)
 readonly PACKAGE_ROOT
 readonly LAUNCHER=$PACKAGE_ROOT/training/slurm/launch.sh
@@ -149,6 +153,85 @@ instance_type() {
   if [[ $product =~ ^[a-z][a-z0-9-]*\.[0-9]*[a-z]+$ ]]; then echo "ml.$product"; else echo local; fi
 }
 
+# The content hash a package is installed under: the lifecycle copies it to
+# <fsx>/platform/<hash>/training (lifecycle_scripts/install_package.sh; the hash is
+# stacks/cluster.py package_hash of lifecycle_scripts/ + training/). Elsewhere (a checkout) the
+# sha256 of the training/ tree's files, prefixed "tree-" so it is never mistaken for one.
+package_hash_of() {
+  local root=$1
+  if [[ $(basename "$(dirname "$root")") == platform ]]; then
+    basename "$root"
+    return 0
+  fi
+  printf 'tree-%s\n' "$(cd "$root" && find training -type f ! -path '*/__pycache__/*' -print0 \
+    | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-12)"
+}
+
+# The requirements hash of an env: lifecycle_scripts/python_env.sh builds each env at
+# <envs>/<kind>-<key> (key = sha256 of the requirements file, the pip index, the base Python
+# and its recipe version) and, only once pip and the import check passed, writes
+# "key=<key> built_by=... requirements=..." into <env>/.sana-env-ready. That marker is read,
+# not the directory name: it exists only for a complete env. None (empty) for an env the
+# lifecycle did not build.
+env_hash_of() {
+  local marker=$1/.sana-env-ready
+  [[ -r $marker ]] || return 0
+  sed -n 's/^key=\([^ ]*\).*/\1/p' "$marker"
+}
+
+readonly PINNED_VARS=(SANA_PACKAGE_ROOT SANA_PACKAGE_HASH SANA_ENV_PATH SANA_ENV_HASH)
+
+# Pinned job environment. The package and env symlinks are resolved ONCE per job, at its first
+# start (SLURM_RESTART_COUNT unset or 0: a pinned-env left by a job of the same name and id on
+# an earlier cluster is overwritten), and kept in <job log dir>/pinned-env; every later start
+# of the same job (SLURM_RESTART_COUNT >= 1) reuses them. A later start is a requeue (`scontrol requeue`, or HyperPod's auto-resume, which on GPU nodes
+# (GRES) requeues the whole job rather than rerunning the step: awslabs/awsome-distributed-ai
+# 1.architectures/5.sagemaker-hyperpod/tools/devops-agent/docs/hyperpod-mental-model.md,
+# "Slurm auto-resume requeues, not shrinks-in-place, on GRES nodes"). A requeue reruns the
+# batch script from the path it was submitted as, e.g. /fsx/platform/current/..., which may
+# now be a newer package: that launcher then re-executes the pinned one, so the job goes on
+# with the code, env and config defaults it started with. Exports PINNED_VARS
+# (training/provenance.py writes them into every checkpoint) and sets PIN_ORIGIN.
+PIN_ORIGIN=""
+pin_job_environment() {
+  local kind=$1
+  shift
+  local pin=$SANA_JOB_LOG_DIR/pinned-env
+  if [[ -f $pin && ${SLURM_RESTART_COUNT:-0} -gt 0 ]]; then
+    local key value
+    while IFS='=' read -r key value; do
+      case $key in
+        SANA_PACKAGE_ROOT | SANA_PACKAGE_HASH | SANA_ENV_PATH | SANA_ENV_HASH) export "$key=$value" ;;
+      esac
+    done <"$pin"
+    [[ -n ${SANA_PACKAGE_ROOT:-} && -n ${SANA_ENV_PATH:-} ]] \
+      || die "$pin lacks SANA_PACKAGE_ROOT or SANA_ENV_PATH; resubmit the job (a new job id pins afresh)"
+    if [[ $SANA_PACKAGE_ROOT != "$PACKAGE_ROOT" ]]; then
+      [[ -z ${SANA_PINNED_REEXEC:-} ]] || die "pinned launcher $SANA_PACKAGE_ROOT is not the one running ($PACKAGE_ROOT)"
+      [[ -f $SANA_PACKAGE_ROOT/training/slurm/launch.sh ]] \
+        || die "the package job $SLURM_JOB_ID was pinned to ($SANA_PACKAGE_ROOT, in $pin) is gone; resubmit the job to run the current package"
+      echo "launch.sh: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0}: $PACKAGE_ROOT is not the package it was pinned to; re-executing $SANA_PACKAGE_ROOT/training/slurm/launch.sh"
+      SANA_PINNED_REEXEC=1 exec bash "$SANA_PACKAGE_ROOT/training/slurm/launch.sh" job "$kind" "$@"
+    fi
+    PIN_ORIGIN="reused from $pin"
+    return 0
+  fi
+  local env_link
+  env_link=$(env_dir_for "$kind")
+  export SANA_PACKAGE_ROOT=$PACKAGE_ROOT
+  SANA_ENV_PATH=$(readlink -f "$env_link") || die "cannot resolve the env $env_link; build the $kind env or point SANA_ENV_GPU/SANA_ENV_NEURON at one"
+  export SANA_ENV_PATH
+  SANA_PACKAGE_HASH=$(package_hash_of "$PACKAGE_ROOT")
+  SANA_ENV_HASH=$(env_hash_of "$SANA_ENV_PATH")
+  export SANA_PACKAGE_HASH SANA_ENV_HASH
+  local name tmp
+  tmp=$(mktemp "$pin.XXXXXX")
+  for name in "${PINNED_VARS[@]}"; do printf '%s=%s\n' "$name" "${!name}"; done >"$tmp"
+  chmod 0644 "$tmp" # readable like the rest of the job's logs (mktemp makes it 0600)
+  mv -f "$tmp" "$pin"
+  PIN_ORIGIN="pinned at first start in $pin"
+}
+
 entry_module() {
   case $1 in
     gpu) echo training.gpu ;;
@@ -175,6 +258,8 @@ run_job() {
   if [[ $kind == gpu || $kind == trainium ]]; then
     mkdir -p "$SANA_RUN_DIR" || die "cannot create $SANA_RUN_DIR; check SANA_CHECKPOINT_ROOT"
   fi
+  # Before the tee below: it may re-execute the pinned launcher, which starts its own.
+  pin_job_environment "$kind" "$@"
   # Everything from here on (this script and every node's torchrun, labelled by srun) also
   # goes to job.log, next to the per-rank logs.
   exec > >(tee -a "$SANA_JOB_LOG_DIR/job.log") 2>&1
@@ -187,8 +272,10 @@ run_job() {
     srun_args+=(--auto-resume=1)
   fi
 
-  echo "launch.sh: job $SLURM_JOB_ID ($run_name) kind=$kind nodes=$SLURM_JOB_NUM_NODES [$SLURM_JOB_NODELIST]"
-  echo "launch.sh: logs $SANA_JOB_LOG_DIR; env $(env_dir_for "$kind")"
+  echo "launch.sh: job $SLURM_JOB_ID ($run_name) kind=$kind nodes=$SLURM_JOB_NUM_NODES [$SLURM_JOB_NODELIST] restart=${SLURM_RESTART_COUNT:-0} user=$(id -un)"
+  echo "launch.sh: package $SANA_PACKAGE_ROOT hash=$SANA_PACKAGE_HASH ($PIN_ORIGIN)"
+  echo "launch.sh: env $SANA_ENV_PATH requirements_hash=${SANA_ENV_HASH:-none (no .sana-env-ready: not built by lifecycle_scripts/python_env.sh)}"
+  echo "launch.sh: logs $SANA_JOB_LOG_DIR"
   if [[ $kind == gpu || $kind == trainium ]]; then echo "launch.sh: run dir (checkpoints) $SANA_RUN_DIR"; fi
   echo "launch.sh: srun ${srun_args[*]}"
   local status=0
@@ -203,7 +290,9 @@ run_node() {
   local kind=$1
   shift
   local env_dir python
-  env_dir=$(env_dir_for "$kind")
+  # The env the batch step resolved and pinned (exported to every srun task); the symlink only
+  # when run by hand outside `launch.sh job`.
+  env_dir=${SANA_ENV_PATH:-$(env_dir_for "$kind")}
   python=$env_dir/bin/python
   [[ -x $python ]] || die "$(hostname): no Python at $python; build the $kind env or point SANA_ENV_GPU/SANA_ENV_NEURON at one"
 
@@ -228,8 +317,11 @@ run_node() {
   case $kind in
     gpu | trainium) entry+=(--resume auto --output-dir "$SANA_RUN_DIR") ;;
     # Given before the user's ARGS, so an explicit --out/--instance-type there wins.
+    # --work-dir per user: bench's default, $TMPDIR/sana-bench, is shared by every user of the
+    # node, and the first user's directory would refuse everyone else's run.
     bench) entry+=(--backend "$(bench_backend)" --out "$SANA_JOB_LOG_DIR/bench.json"
-      --instance-type "${SANA_INSTANCE_TYPE:-$(instance_type)}") ;;
+      --instance-type "${SANA_INSTANCE_TYPE:-$(instance_type)}"
+      --work-dir "${TMPDIR:-/tmp}/sana-bench-$(id -un)") ;;
   esac
   entry+=("$@")
 
