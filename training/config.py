@@ -28,6 +28,7 @@ from training.errors import UserError
 from training.model import ModelConfig
 from training.objective import ObjectiveConfig
 from training.optim import OptimConfig
+from training.validation import ValidationConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -42,6 +43,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     gpu: GpuConfig = dataclasses.field(default_factory=GpuConfig)
     trainium: NeuronConfig = dataclasses.field(default_factory=NeuronConfig)
+    validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     #: "fp32" | "bf16-mixed" (fp32 master weights, bf16 compute) | "bf16" (pure bf16)
     precision: str = "bf16-mixed"
     #: optimizer steps to train to (a resumed run continues up to this count)

@@ -2,8 +2,13 @@
 
 Layout of a feature directory (local/FSx path or ``s3://`` prefix)::
 
-    index.json                 shapes, dtype, per-shard sample count / bytes / sha256
+    index.json                 shapes, dtype, per-shard sample count / bytes / sha256, and
+                               text_conditioning (CHI, N, tokenizer, text encoder: see
+                               training/text_features.py TextConditioning)
     null_caption.safetensors   {"text": [n, D] bf16}: the empty caption, for CFG dropout
+                               (also the negative prompt of validation images)
+    validation_prompts.safetensors  {"0000": [n, D] bf16, ...}: index.json validation.prompts,
+                               encoded like the captions (optional; training/validation.py)
     shard-00000.tar ...        one member per sample: ``<key>.safetensors`` holding
                                "latents" [C,H,W] bf16 (UNscaled) and "text" [n_real, D] bf16
 
@@ -49,10 +54,12 @@ from safetensors.torch import save as st_save
 
 from training import s3
 from training.errors import UserError, exits_cleanly
+from training.text_features import TextConditioning
 
 FORMAT = "sana-features/1"
 INDEX = "index.json"
 NULL_CAPTION = "null_caption.safetensors"
+VALIDATION_PROMPTS = "validation_prompts.safetensors"
 _DTYPE = torch.bfloat16
 MAX_MAPPED_SHARDS = 128
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -121,10 +128,11 @@ def write_shard(path: Path, samples: Sequence[tuple[str, bytes]]) -> dict[str, A
 
 def write_index(out_dir: str | Path, *, shards: Sequence[dict[str, Any]], latent_shape: Sequence[int],
                 text_dim: int, max_text_tokens: int, vae_scaling_factor: float,
-                null_caption: torch.Tensor | None = None, created_by: dict[str, Any] | None = None
-                ) -> dict[str, Any]:
+                null_caption: torch.Tensor | None = None, created_by: dict[str, Any] | None = None,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write index.json (last: it is what makes the directory readable) and, if given,
-    null_caption.safetensors. Returns the index dict."""
+    null_caption.safetensors. ``extra``: further top-level keys (``text_conditioning``,
+    ``validation``). Returns the index dict."""
     out = Path(out_dir)
     if null_caption is not None:
         if null_caption.ndim != 2 or null_caption.shape[1] != text_dim:
@@ -138,7 +146,7 @@ def write_index(out_dir: str | Path, *, shards: Sequence[dict[str, Any]], latent
         "max_text_tokens": int(max_text_tokens), "dtype": "bfloat16",
         "vae_scaling_factor": float(vae_scaling_factor), "num_samples": num,
         "bytes_per_sample": round(total / num, 1) if num else 0.0,
-        "shards": list(shards), "created_by": created_by or {},
+        "shards": list(shards), "created_by": created_by or {}, **(extra or {}),
     }
     tmp = out / f".{INDEX}.part-{os.getpid()}"
     tmp.write_text(json.dumps(index, indent=1))
@@ -290,6 +298,17 @@ class FeatureIndex:
             raise UserError(f"{source}/{INDEX}: num_samples {index.num_samples} does not match the shards "
                             f"({sum(s.samples for s in shards)}); re-run the precompute merge step")
         return index
+
+    @property
+    def text_conditioning(self) -> TextConditioning:
+        """How the captions were encoded; ``chi == "unknown"`` for indexes that do not say."""
+        return TextConditioning.from_index(self.raw)
+
+    @property
+    def validation_prompts(self) -> list[str]:
+        """Prompts precompute encoded into VALIDATION_PROMPTS ([] if none / older index)."""
+        validation = self.raw.get("validation") or {}
+        return list(validation.get("prompts") or []) if validation.get("file") else []
 
     def summary(self) -> str:
         c, h, w = self.latent_shape
@@ -689,6 +708,10 @@ class FeatureLoader:
         if int(state["global_batch"]) != self.global_batch:
             step = step * int(state["global_batch"]) // self.global_batch
         self.epoch, self.step = epoch + step // self.steps_per_epoch, step % self.steps_per_epoch
+
+    def fetch(self, name: str) -> Path:
+        """Local path of a file of the feature directory (downloaded into data.cache_dir for s3://)."""
+        return self.index.fetch(name, self._decoder.cache_dir)
 
     # -- CFG -----------------------------------------------------------------
     def null_caption(self) -> tuple[torch.Tensor, torch.Tensor]:

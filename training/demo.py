@@ -1,9 +1,10 @@
 """``python -m training.demo --out DIR`` (``make demo``): the whole training path on this CPU.
 
-Synthetic image+caption pairs -> precompute with tiny random DC-AE / Gemma-2 / tokenizer ->
-train the ``tiny`` preset (checkpoint every 50 steps) -> stop at step 150 and resume to 300
--> export a diffusers directory -> sample one image with ``SanaPipeline`` -> print where
-everything went.
+Synthetic image+caption pairs -> precompute with tiny random DC-AE / Gemma-2 / tokenizer
+(Sana's complex human instruction, plus the validation prompts) -> train the ``tiny`` preset
+(checkpoint every 50 steps, a validation grid every 100) -> stop at step 150 and resume to
+300 -> export a diffusers directory -> sample one image with ``SanaPipeline`` under the
+recorded text conditioning -> print where everything went.
 
 The run is a list of steps (``STEPS``); each takes the shared ``Demo`` and records what it
 made in ``demo.where``. To extend the demo (bench, report), append a step.
@@ -24,6 +25,9 @@ from training.errors import exits_cleanly
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "training" / "configs" / "tiny-cpu.yaml"
+#: validation prompts in the tiny tokenizer's vocabulary (other words would all be <unk>)
+VALIDATION_PROMPTS = ("a small red circle on a blue background", "a large green square on a white background",
+                      "the bright yellow triangle with a black ring", "a dark purple cross on an orange background")
 
 
 @dataclasses.dataclass
@@ -35,6 +39,7 @@ class Demo:
     steps: int = 300
     resume_at: int = 150
     checkpoint_every: int = 50
+    validate_every: int = 100
     where: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def path(self, name: str) -> Path:
@@ -63,11 +68,14 @@ def precompute(demo: Demo) -> None:
     from training.tiny_components import TINY_RESOLUTION
 
     models = demo.path("models")
+    prompts = demo.path("validation-prompts.txt")
+    prompts.write_text("".join(f"{p}\n" for p in VALIDATION_PROMPTS))
     pc.main(["--input", str(demo.path("raw")), "--out", str(demo.path("features")),
              "--vae", str(models / "vae"), "--text-encoder", str(models / "text_encoder"),
              "--tokenizer", str(models / "tokenizer"), "--resolution", str(TINY_RESOLUTION),
              "--max-text-tokens", "16", "--batch-size", "16", "--samples-per-shard", "32",
-             "--device", "cpu", "--dtype", "fp32", "--work-dir", str(demo.path("precompute-work"))])
+             "--device", "cpu", "--dtype", "fp32", "--work-dir", str(demo.path("precompute-work")),
+             "--validation-prompts", str(prompts)])  # --chi: Sana's, the default
     demo.where["feature shards"] = demo.path("features")
 
 
@@ -75,6 +83,7 @@ def _train_args(demo: Demo, max_steps: int) -> list[str]:
     return ["--config", str(TINY_CONFIG), "--set", f"data.path={demo.path('features')}",
             "--set", f"checkpoint.every_steps={demo.checkpoint_every}", "--set", "checkpoint.keep_last=3",
             "--set", "ema.decay=0.99", "--set", "log_every=25",
+            "--set", f"validation.every_steps={demo.validate_every}", "--set", "validation.num_inference_steps=10",
             # constant LR: part 1 stops early by a smaller --max-steps, which would otherwise
             # change the cosine horizon (a preempted job keeps its max_steps)
             "--set", "optim.schedule=constant",
@@ -105,6 +114,10 @@ def train_resumed(demo: Demo) -> None:
     demo.where["TensorBoard"] = demo.path("run") / "tensorboard"
     records = [json.loads(line) for line in (demo.path("run") / "metrics.jsonl").read_text().splitlines()]
     demo.where["loss first -> last logged"] = f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}"
+    grids = sorted((demo.path("run") / "validation").glob("step-*.png"))
+    demo.where["validation grids"] = f"{len(grids)} in {demo.path('run') / 'validation'} (and TensorBoard)"
+    demo.where["last validation grid (noise-like: tiny VAE)"] = grids[-1]
+    print(f"    validation grid: {grids[-1]} (prompts: {grids[-1].parent / 'prompts.txt'})", flush=True)
 
 
 def export(demo: Demo) -> None:
@@ -117,7 +130,8 @@ def export(demo: Demo) -> None:
 
 
 def sample(demo: Demo) -> None:
-    """Load the export into a SanaPipeline with the tiny VAE/text encoder and make an image."""
+    """Load the export into a SanaPipeline with the tiny VAE/text encoder and make an image,
+    with the text conditioning the export records (text_conditioning.json)."""
     import torch
     from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
     from transformers import AutoTokenizer, Gemma2Model
@@ -131,9 +145,11 @@ def sample(demo: Demo) -> None:
         vae=AutoencoderDC.from_pretrained(models / "vae"),
         transformer=SanaTransformer2DModel.from_pretrained(demo.path("export") / "transformer"),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    conditioning = json.loads((demo.path("export") / "transformer" / "text_conditioning.json").read_text())
     image = pipe("a small red circle on a blue background", height=TINY_RESOLUTION, width=TINY_RESOLUTION,
-                 num_inference_steps=4, guidance_scale=4.5, max_sequence_length=16,
-                 complex_human_instruction=None, generator=torch.Generator().manual_seed(0)).images[0]
+                 num_inference_steps=4, guidance_scale=4.5, max_sequence_length=conditioning["max_text_tokens"],
+                 complex_human_instruction=conditioning["complex_human_instruction"], use_resolution_binning=False,
+                 generator=torch.Generator().manual_seed(0)).images[0]
     path = demo.path("export") / "sample.png"
     image.save(path)
     demo.where["sample image (random tiny VAE: noise-like)"] = path
@@ -159,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> Demo:
     p.add_argument("--steps", type=int, default=300, help="tiny-preset training steps (resumes at half)")
     args = p.parse_args(argv)
     demo = Demo(out=Path(args.out).resolve(), steps=args.steps, resume_at=max(1, args.steps // 2),
-                checkpoint_every=max(1, args.steps // 6))
+                checkpoint_every=max(1, args.steps // 6), validate_every=max(1, args.steps // 3))
     demo.out.mkdir(parents=True, exist_ok=True)
     for step in STEPS:
         started = time.perf_counter()

@@ -7,6 +7,19 @@ and that replaces the ``transformer`` of a ``SanaPipeline``. The source may be o
 ``s3://`` URL of either (fetched first). The checkpoint is verified against its manifest
 (sha256) before anything is written, and the model is rebuilt and loaded strictly, so a key
 or shape mismatch fails here rather than in someone's inference job.
+
+Next to the weights: ``training_provenance.json`` (checkpoint, step, sha256s and the run's
+provenance: job package/env, text conditioning) and ``text_conditioning.json``: how the
+training captions were encoded (training/text_features.py TextConditioning). Sample the
+model the way it was trained::
+
+    tc = json.load(open("<out>/text_conditioning.json"))
+    pipe(prompt, complex_human_instruction=tc["complex_human_instruction"],
+         max_sequence_length=tc["max_text_tokens"])
+
+(SanaPipeline's own default list differs from NVlabs Sana's in one quote character.) The
+file also lets a later fine-tune from this directory warn when its data was encoded
+otherwise (``warn_if_unexpected``).
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ from safetensors.torch import load_file
 
 from training.checkpoint import EMA_FILE, MANIFEST, MODEL_FILE, STATE_FILE, resolve_checkpoint
 from training.errors import UserError, exits_cleanly
+from training.text_features import CONDITIONING_FILE, TextConditioning
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROVENANCE = "training_provenance.json"
@@ -71,6 +85,8 @@ def export(ckpt: Path, out: Path, *, ema: bool = False, dtype: str = "fp32", ove
             if tensor.is_floating_point():
                 tensor.data = tensor.data.to(DTYPES[dtype])
     manifest = json.loads((ckpt / MANIFEST).read_text())
+    provenance = json.loads((ckpt / STATE_FILE).read_text()).get("provenance") or {}
+    conditioning = TextConditioning.from_dict(provenance.get("text_conditioning"))
     tmp = out.with_name(f".{out.name}.tmp-export")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
@@ -78,7 +94,9 @@ def export(ckpt: Path, out: Path, *, ema: bool = False, dtype: str = "fp32", ove
         "checkpoint": str(ckpt.resolve()), "step": manifest["step"], "weights": "ema" if ema else "model",
         "dtype": dtype, "source_sha256": {n: m["sha256"] for n, m in manifest["files"].items()
                                           if n in (MODEL_FILE, EMA_FILE)},
+        "provenance": provenance,
     }, indent=1))
+    (tmp / CONDITIONING_FILE).write_text(json.dumps(conditioning.to_dict(), indent=1))
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,12 @@ class MetricsLogger:
         else:
             log.info("step %d %s", step, " ".join(f"{k}={v}" for k, v in short.items()))
 
+    def log_image(self, step: int, tag: str, image: Any) -> None:
+        """An HWC uint8 image (a validation grid) to TensorBoard; nothing without TensorBoard."""
+        if self._tb is not None:
+            self._tb.add_image(tag, image, step, dataformats="HWC")
+            self._tb.flush()
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

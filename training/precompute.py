@@ -18,6 +18,14 @@ written after the tar: a shard with its marker is skipped on the next run. Rank 
 WORLD_SIZE (torchrun env) takes shards r, r+W, ...; rank 0 then waits for every marker
 and writes null_caption.safetensors and, last, index.json (``--merge-only`` redoes just
 that step). The run is thus restartable at any point, by any number of ranks.
+
+Text conditioning: captions get NVlabs Sana's complex human instruction by default
+(``--chi sana``; ``diffusers`` for SanaPipeline's list, ``none``, or a file), and the
+choice, its sha256, N, the tokenizer and the text encoder's identity go into index.json
+``text_conditioning`` (training/text_features.py). The merge step also encodes the
+validation prompts (``--validation-prompts``, a built-in list by default) with the same
+settings into validation_prompts.safetensors, so training renders its validation images
+without loading a text encoder (training/validation.py).
 """
 
 from __future__ import annotations
@@ -41,10 +49,29 @@ from typing import Any
 import torch
 
 from training import s3
-from training.data import INDEX, NULL_CAPTION, encode_sample, shard_name, write_index, write_shard
+from training.data import (
+    INDEX,
+    NULL_CAPTION,
+    VALIDATION_PROMPTS,
+    encode_sample,
+    shard_name,
+    write_index,
+    write_shard,
+)
 from training.errors import UserError, exits_cleanly
+from training.text_features import CHI_CHOICES, TextConditioning, dir_fingerprint, resolve_chi
 
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp")
+#: encoded when --validation-prompts is not given: varied subjects, colours, text and counts,
+#: where a broken run (wrong conditioning, NaNs, a collapsed model) shows at a glance
+DEFAULT_VALIDATION_PROMPTS = (
+    "a photo of a red apple on a wooden table",
+    "a watercolor painting of a lighthouse on a cliff at sunset",
+    "a close-up portrait of an elderly man with a white beard",
+    "three blue cubes stacked on top of each other",
+    "a city street at night with neon signs in the rain",
+    "a sign that says \"hello\" in bold letters",
+)
 
 
 @dataclass(kw_only=True)
@@ -65,8 +92,11 @@ class PrecomputeConfig:
     resolution: int = 512
     #: N: caption tokens kept (Sana: 300)
     max_text_tokens: int = 300
-    #: complex-human-instruction prefix: "none", "default" (SanaPipeline's list) or a file, one line each
-    chi: str = "none"
+    #: complex-human-instruction prefix: "sana" (NVlabs Sana's configs), "diffusers" (SanaPipeline's
+    #: default list), "none", or a file with one line each
+    chi: str = "sana"
+    #: prompts to encode for validation images: a file (one a line), "none", or None = the built-in list
+    validation_prompts: str | None = None
     #: images per VAE / text-encoder forward
     batch_size: int = 16
     #: samples per output shard for folder input (tar input: one shard per input tar)
@@ -94,8 +124,11 @@ class PrecomputeConfig:
             raise UserError(f"--resolution: {self.resolution} is not a multiple of 32 (DC-AE compresses 32x)")
         if self.dtype not in ("auto", "fp32", "bf16"):
             raise UserError(f"--dtype: {self.dtype!r}; choose auto, fp32 or bf16")
-        if self.chi not in ("none", "default") and not Path(self.chi).is_file():
-            raise UserError(f"--chi: {self.chi!r} is neither none, default nor a readable file")
+        if self.chi not in CHI_CHOICES and not Path(self.chi).is_file():
+            raise UserError(f"--chi: {self.chi!r} is neither {', '.join(CHI_CHOICES)} nor a readable file")
+        if self.validation_prompts not in (None, "none") and not Path(self.validation_prompts).is_file():
+            raise UserError(f"--validation-prompts: {self.validation_prompts!r} is not a readable file "
+                            "(one prompt a line) nor none")
         if not 0 <= self.rank < self.world_size:
             raise UserError(f"RANK={self.rank} WORLD_SIZE={self.world_size}: rank out of range")
 
@@ -224,6 +257,7 @@ class Models:
     device: torch.device
     dtype: torch.dtype
     chi: tuple[str, ...] | None
+    conditioning: TextConditioning
 
 
 def load_models(cfg: PrecomputeConfig, work: Path, *, with_vae: bool = True) -> Models:
@@ -236,13 +270,14 @@ def load_models(cfg: PrecomputeConfig, work: Path, *, with_vae: bool = True) -> 
         device = torch.device(cfg.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
         cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    tokenizer_dir = _local_model(cfg.tokenizer, work, "tokenizer")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(_local_model(cfg.tokenizer, work, "tokenizer"))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     except (OSError, ValueError) as exc:
         raise UserError(f"--tokenizer {cfg.tokenizer}: cannot load a tokenizer ({exc})") from None
+    encoder_dir = _local_model(cfg.text_encoder, work, "text-encoder")
     try:
-        text_encoder = Gemma2Model.from_pretrained(_local_model(cfg.text_encoder, work, "text-encoder"),
-                                                   torch_dtype=dtype).to(device).eval()
+        text_encoder = Gemma2Model.from_pretrained(encoder_dir, torch_dtype=dtype).to(device).eval()
     except (OSError, ValueError) as exc:
         raise UserError(f"--text-encoder {cfg.text_encoder}: cannot load Gemma2Model ({exc})") from None
     vae = None
@@ -251,15 +286,17 @@ def load_models(cfg: PrecomputeConfig, work: Path, *, with_vae: bool = True) -> 
             vae = AutoencoderDC.from_pretrained(_local_model(cfg.vae, work, "vae"), torch_dtype=dtype).to(device).eval()
         except (OSError, ValueError) as exc:
             raise UserError(f"--vae {cfg.vae}: cannot load AutoencoderDC ({exc})") from None
-    if cfg.chi == "none":
-        chi = None
-    elif cfg.chi == "default":
-        from training.text_features import default_complex_human_instruction
-
-        chi = default_complex_human_instruction()
-    else:
-        chi = tuple(Path(cfg.chi).read_text().splitlines())
-    return Models(vae, text_encoder, tokenizer, device, dtype, chi)
+    chi = resolve_chi(cfg.chi)
+    config = text_encoder.config
+    conditioning = TextConditioning.of(
+        chi, max_text_tokens=cfg.max_text_tokens,
+        tokenizer={"path": cfg.tokenizer, "class": type(tokenizer).__name__, "vocab_size": len(tokenizer),
+                   "fingerprint": dir_fingerprint(tokenizer_dir)},
+        text_encoder={"path": cfg.text_encoder, "class": type(text_encoder).__name__,
+                      "name_or_path": getattr(config, "_name_or_path", None), "hidden_size": config.hidden_size,
+                      "num_hidden_layers": config.num_hidden_layers, "dtype": str(dtype).removeprefix("torch."),
+                      "fingerprint": dir_fingerprint(encoder_dir)})
+    return Models(vae, text_encoder, tokenizer, device, dtype, chi, conditioning)
 
 
 # ---------------------------------------------------------------------------- output
@@ -304,12 +341,12 @@ class Output:
             tmp.write_text(body)
             os.replace(tmp, path)
 
-    def write_index(self, markers: Sequence[dict[str, Any]], null: torch.Tensor, created_by: dict[str, Any]
-                    ) -> dict[str, Any]:
+    def write_index(self, markers: Sequence[dict[str, Any]], null: torch.Tensor, created_by: dict[str, Any],
+                    extra: dict[str, Any], extra_files: Sequence[str] = ()) -> dict[str, Any]:
         first = next((m for m in markers if m["samples"]), markers[0])
         for m in markers:
-            for key in ("latent_shape", "text_dim", "max_text_tokens", "vae_scaling_factor"):
-                if m["samples"] and m[key] != first[key]:
+            for key in ("latent_shape", "text_dim", "max_text_tokens", "vae_scaling_factor", "chi_sha256"):
+                if m["samples"] and m.get(key) != first.get(key):
                     raise UserError(f"{self.out}/{m['name']}: {key} {m[key]} differs from {first['name']}'s "
                                     f"{first[key]}; shards come from different settings - delete and redo them")
         shards = [{k: m[k] for k in ("name", "samples", "bytes", "sha256")} for m in markers if m["samples"]]
@@ -318,9 +355,10 @@ class Output:
         index = write_index(self.staging, shards=shards, latent_shape=first["latent_shape"],
                             text_dim=first["text_dim"], max_text_tokens=first["max_text_tokens"],
                             vae_scaling_factor=first["vae_scaling_factor"], null_caption=null,
-                            created_by=created_by)
+                            created_by=created_by, extra=extra)
         if self.is_s3:
-            s3.upload_file(self.staging / NULL_CAPTION, f"{self.out}/{NULL_CAPTION}")
+            for name in (NULL_CAPTION, *extra_files):
+                s3.upload_file(self.staging / name, f"{self.out}/{name}")
             s3.upload_file(self.staging / INDEX, f"{self.out}/{INDEX}")  # last: makes the directory readable
         return index
 
@@ -406,7 +444,7 @@ def run(cfg: PrecomputeConfig) -> dict[str, Any] | None:
                      else {"name": unit.name, "samples": 0, "bytes": 0, "sha256": ""})
             out.publish({**entry, "latent_shape": latent_shape, "text_dim": text_dim,
                          "max_text_tokens": cfg.max_text_tokens, "vae_scaling_factor": scaling,
-                         "skipped": skipped})
+                         "chi_sha256": models.conditioning.chi_sha256, "skipped": skipped})
     if cfg.rank != 0:
         return None
     return merge(cfg, out, units, models)
@@ -414,7 +452,7 @@ def run(cfg: PrecomputeConfig) -> dict[str, Any] | None:
 
 def merge(cfg: PrecomputeConfig, out: Output, units: Sequence[Unit], models: Models) -> dict[str, Any]:
     """Rank 0: wait until every shard has its marker, then write null caption + index.json."""
-    from training.text_features import null_caption
+    from training.text_features import encode_for_shards, null_caption
 
     deadline = time.monotonic() + cfg.merge_timeout
     while True:
@@ -427,18 +465,43 @@ def merge(cfg: PrecomputeConfig, out: Output, units: Sequence[Unit], models: Mod
                             f"(first: {missing[0]}); re-run precompute (finished shards are kept)")
         time.sleep(min(10.0, max(0.2, cfg.merge_timeout / 100)))
     markers = [done[u.name[:-4]] for u in units]
+    if any(m["samples"] and m.get("chi_sha256", models.conditioning.chi_sha256) != models.conditioning.chi_sha256
+           for m in markers):
+        raise UserError(f"--chi {cfg.chi}: the finished shards in {cfg.out} were encoded with another complex "
+                        "human instruction; use the --chi they were made with, or delete them and redo")
     null = null_caption(models.tokenizer, models.text_encoder, max_tokens=cfg.max_text_tokens)
+    prompts = validation_prompt_list(cfg.validation_prompts)
+    extra: dict[str, Any] = {"text_conditioning": models.conditioning.to_dict(), "validation": {"prompts": prompts}}
+    extra_files: list[str] = []
+    if prompts:
+        from safetensors.torch import save_file
+
+        rows = encode_for_shards(prompts, models.tokenizer, models.text_encoder, max_tokens=cfg.max_text_tokens,
+                                 complex_human_instruction=models.chi)
+        save_file({f"{i:04d}": r.to(torch.bfloat16).contiguous() for i, r in enumerate(rows)},
+                  str(out.staging / VALIDATION_PROMPTS))
+        extra["validation"]["file"] = VALIDATION_PROMPTS
+        extra_files.append(VALIDATION_PROMPTS)
     created_by = {"tool": "training.precompute", "input": cfg.input, "vae": cfg.vae,
                   "text_encoder": cfg.text_encoder, "tokenizer": cfg.tokenizer, "resolution": cfg.resolution,
                   "complex_human_instruction": list(models.chi) if models.chi else None,
                   "dtype": str(models.dtype).removeprefix("torch."),
                   "skipped": sum(len(m.get("skipped", [])) for m in markers)}
-    index = out.write_index(markers, null, created_by)
+    index = out.write_index(markers, null, created_by, extra, extra_files)
     print(f"precompute: {index['num_samples']} samples in {len(index['shards'])} shards -> {cfg.out}; "
           f"{index['bytes_per_sample']:.0f} bytes/sample", flush=True)
     if out.is_s3:
         shutil.rmtree(out.staging, ignore_errors=True)
     return index
+
+
+def validation_prompt_list(choice: str | None) -> list[str]:
+    """--validation-prompts -> the prompts (blank lines dropped); [] for "none"."""
+    if choice == "none":
+        return []
+    if choice is None:
+        return list(DEFAULT_VALIDATION_PROMPTS)
+    return [line.strip() for line in Path(choice).read_text().splitlines() if line.strip()]
 
 
 def parse_args(argv: Sequence[str] | None) -> PrecomputeConfig:
@@ -450,7 +513,11 @@ def parse_args(argv: Sequence[str] | None) -> PrecomputeConfig:
     p.add_argument("--tokenizer", help="tokenizer directory (default: the text encoder's)")
     p.add_argument("--resolution", type=int, default=512)
     p.add_argument("--max-text-tokens", type=int, default=300)
-    p.add_argument("--chi", default="none", help="complex human instruction: none, default, or FILE")
+    p.add_argument("--chi", default="sana",
+                   help="complex human instruction: sana (NVlabs Sana's, default), diffusers (SanaPipeline's), "
+                        "none, or FILE (one line each)")
+    p.add_argument("--validation-prompts", help="prompts for validation images, one a line, or none "
+                                                "(default: a built-in list of six)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--samples-per-shard", type=int, default=1000)
     p.add_argument("--device", default="auto")
@@ -462,7 +529,8 @@ def parse_args(argv: Sequence[str] | None) -> PrecomputeConfig:
     a = p.parse_args(argv)
     return PrecomputeConfig(input=a.input, out=a.out, vae=a.vae, text_encoder=a.text_encoder,
                             tokenizer=a.tokenizer or a.text_encoder, resolution=a.resolution,
-                            max_text_tokens=a.max_text_tokens, chi=a.chi, batch_size=a.batch_size,
+                            max_text_tokens=a.max_text_tokens, chi=a.chi,
+                            validation_prompts=a.validation_prompts, batch_size=a.batch_size,
                             samples_per_shard=a.samples_per_shard, device=a.device, dtype=a.dtype,
                             work_dir=a.work_dir, merge_only=a.merge_only, merge_timeout=a.merge_timeout,
                             io_workers=a.io_workers)

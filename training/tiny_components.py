@@ -7,8 +7,10 @@ paths without downloading a single weight. The sizes follow diffusers' own Sana 
 tests (tests/pipelines/sana/test_sana.py) and fit the ``tiny`` transformer preset:
 4 latent channels, 2x spatial compression (64 px images -> 4x32x32 latents, the preset's
 sample_size 32) and caption_channels 8. The tokenizer is a WordLevel vocabulary over a
-fixed word list (every caption ``synthetic_caption`` writes is in it), with Gemma's
-special-token ids (<pad>=0, <eos>=1, <bos>=2, <unk>=3) and its "<bos> text" template.
+fixed word list (every caption ``synthetic_caption`` writes is in it, and every word and
+punctuation mark of both complex-human-instruction lists, so Sana's and diffusers' CHI
+tokenize differently here as they do with Gemma's tokenizer), with Gemma's special-token
+ids (<pad>=0, <eos>=1, <bos>=2, <unk>=3) and its "<bos> text" template.
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ def build_tokenizer(out_dir: str | Path):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from training.text_features import SANA_CHI, default_complex_human_instruction
+
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(special_tokens=SPECIALS, min_frequency=1)
-    tok.train_from_iterator([" ".join(COLOURS + SHAPES + WORDS)], trainer=trainer)
+    tok.train_from_iterator([" ".join(COLOURS + SHAPES + WORDS), *SANA_CHI, *default_complex_human_instruction()],
+                            trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
                                                        special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
     assert [tok.token_to_id(s) for s in SPECIALS] == [0, 1, 2, 3]

@@ -27,3 +27,11 @@ def test_demo_runs_every_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert steps[-1] == 12
     assert (demo.out / "export" / "transformer" / "config.json").exists()
     assert (demo.out / "export" / "sample.png").stat().st_size > 0
+    # validation grids every steps // 3, across the stop at 6 and the resume
+    assert sorted(p.name for p in (demo.out / "run" / "validation").glob("*.png")) == [
+        "step-00000004.png", "step-00000008.png", "step-00000012.png"]
+    assert demo.where["last validation grid (noise-like: tiny VAE)"].name == "step-00000012.png"
+    assert "validation grid: " in out
+    # trained and sampled with Sana's CHI, as recorded
+    conditioning = json.loads((demo.out / "export" / "transformer" / "text_conditioning.json").read_text())
+    assert conditioning["chi"] == "sana" and conditioning["max_text_tokens"] == 16

@@ -53,7 +53,8 @@ def test_export_loads_with_from_pretrained_and_matches_the_checkpoint(run_dir, t
     ckpt = run_dir / "checkpoints" / "step-00000004"
     for name, source in (("raw", "model.safetensors"), ("ema", "ema.safetensors")):
         assert sorted(p.name for p in (tmp_path / name).iterdir()) == [
-            "config.json", "diffusion_pytorch_model.safetensors", "training_provenance.json"]
+            "config.json", "diffusion_pytorch_model.safetensors", "text_conditioning.json",
+            "training_provenance.json"]
         model = SanaTransformer2DModel.from_pretrained(tmp_path / name)
         want = load_file(ckpt / source)
         got = model.state_dict()
@@ -62,6 +63,9 @@ def test_export_loads_with_from_pretrained_and_matches_the_checkpoint(run_dir, t
             assert torch.equal(got[key], value), key
         provenance = json.loads((tmp_path / name / "training_provenance.json").read_text())
         assert provenance["step"] == 4 and provenance["weights"] == ("ema" if name == "ema" else "model")
+        # the run's provenance comes along; synthetic features record no text conditioning
+        assert provenance["provenance"]["text_conditioning"]["chi"] == "unknown"
+        assert json.loads((tmp_path / name / "text_conditioning.json").read_text())["chi"] == "unknown"
     raw = load_file(tmp_path / "raw" / "diffusion_pytorch_model.safetensors")
     ema = load_file(tmp_path / "ema" / "diffusion_pytorch_model.safetensors")
     assert any(not torch.equal(raw[k], ema[k]) for k in raw)  # really two different weight sets

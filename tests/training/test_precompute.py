@@ -17,7 +17,7 @@ from safetensors.torch import load as st_load
 from training.data import FeatureLoader
 from training.errors import UserError
 from training.precompute import main, preprocess
-from training.text_features import default_complex_human_instruction, encode_captions, encode_for_shards
+from training.text_features import SANA_CHI, chi_sha256, encode_captions, encode_for_shards, resolve_chi
 from training.tiny_components import (
     TINY_RESOLUTION,
     build_tiny_components,
@@ -49,7 +49,7 @@ def args(models, inp, out, *extra) -> list[str]:
             str(TINY_RESOLUTION), "--max-text-tokens", str(N), "--batch-size", "3", *extra]
 
 
-@pytest.mark.parametrize("chi", [None, "default"])
+@pytest.mark.parametrize("chi", ["none", "sana", "diffusers"])
 def test_embeddings_match_sana_pipeline(loaded, chi):
     """Our selection of tokens is SanaPipeline.encode_prompt's, for prompts and the empty caption."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
@@ -61,7 +61,7 @@ def test_embeddings_match_sana_pipeline(loaded, chi):
                                          sample_size=32)
     pipe = SanaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                         scheduler=FlowMatchEulerDiscreteScheduler())
-    chi_list = list(default_complex_human_instruction()) if chi else None
+    chi_list = list(resolve_chi(chi) or []) or None
     # the second caption is longer than N: truncation keeps <bos> + the last N-1 positions
     prompts = ["A Red circle on a blue background ", " ".join(["a small green square"] * 6)]
     embeds, mask, neg, neg_mask = pipe.encode_prompt(prompts, do_classifier_free_guidance=True, negative_prompt="",
@@ -73,7 +73,7 @@ def test_embeddings_match_sana_pipeline(loaded, chi):
     assert torch.equal(ours[mask.bool()], embeds[mask.bool()])
     rows = encode_for_shards(prompts, tokenizer, text_encoder, max_tokens=N, complex_human_instruction=chi_list)
     assert [r.shape[0] for r in rows] == mask.sum(1).tolist()
-    assert mask[1].sum() == N if chi else True  # the long caption fills all N
+    assert mask[1].sum() == N if chi_list else True  # the long caption fills all N
     null = encode_for_shards([""], tokenizer, text_encoder, max_tokens=N)[0]
     assert null.shape == (1, 8) and torch.equal(null, neg[0, :1])
     assert neg_mask[0].tolist() == [1] + [0] * (N - 1)
@@ -105,6 +105,14 @@ def test_folder_end_to_end_and_resume(models, loaded, tmp_path: Path, capsys):
     assert index["num_samples"] == 10 and [s["samples"] for s in index["shards"]] == [4, 4, 2]
     assert index["latent_shape"] == [4, 32, 32] and index["text_dim"] == 8 and index["max_text_tokens"] == N
     assert index["created_by"]["skipped"] == 1
+    # Sana's CHI by default, and the record of it (tests/training/test_text_conditioning.py goes further)
+    tc = index["text_conditioning"]
+    assert tc["chi"] == "sana" and tc["complex_human_instruction"] == list(SANA_CHI)
+    assert tc["chi_sha256"] == chi_sha256(SANA_CHI) and tc["max_text_tokens"] == N
+    assert tc["text_encoder"]["hidden_size"] == 8 and len(tc["text_encoder"]["fingerprint"]) == 64
+    assert tc["tokenizer"]["vocab_size"] > 100 and len(tc["tokenizer"]["fingerprint"]) == 64
+    assert len(index["validation"]["prompts"]) == 6 and (out / "validation_prompts.safetensors").exists()
+    assert all(json.loads(p.read_text())["chi_sha256"] == tc["chi_sha256"] for p in out.glob("shard-*.json"))
     err = capsys.readouterr().err
     assert "1 images under" in err and "broken: unreadable image" in err
 
@@ -116,7 +124,8 @@ def test_folder_end_to_end_and_resume(models, loaded, tmp_path: Path, capsys):
     assert first.name == "000000.safetensors"
     with torch.no_grad():
         latents = vae.encode(preprocess((raw / "000000.png").read_bytes(), 64)[None]).latent[0]
-    text = encode_for_shards([(raw / "000000.txt").read_text()], tokenizer, text_encoder, max_tokens=N)[0]
+    text = encode_for_shards([(raw / "000000.txt").read_text()], tokenizer, text_encoder, max_tokens=N,
+                             complex_human_instruction=SANA_CHI)[0]
     # Precompute encodes a batch, this recomputes one sample: float kernels may differ in the
     # last fp32 bits with batch size and thread count, which can flip a bf16 rounding. So
     # compare within one bf16 step (8 mantissa bits) rather than bit for bit.
@@ -181,7 +190,8 @@ def test_webdataset_tars_from_and_to_s3(models, s3_bucket: str, tmp_path: Path, 
     assert index["num_samples"] == 7 and [s["samples"] for s in index["shards"]] == [4, 3]
     keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket, Prefix="features/v1/")["Contents"])
     assert keys == [f"features/v1/{n}" for n in ("index.json", "null_caption.safetensors", "shard-00000.json",
-                                                 "shard-00000.tar", "shard-00001.json", "shard-00001.tar")]
+                                                 "shard-00000.tar", "shard-00001.json", "shard-00001.tar",
+                                                 "validation_prompts.safetensors")]
     loader = FeatureLoader(out, batch_size=3, cache_dir=tmp_path / "cache", prefetch=0)
     assert next(loader)["latents"].shape == (3, 4, 32, 32)
     # resume on S3: nothing left to do, index rewritten identically
