@@ -33,6 +33,8 @@ from training.objective import RectifiedFlow
 from training.optim import OptimConfig, build_scheduler, optimizer_factory
 from training.preemption import StopRequest
 from training.provenance import run_provenance
+from training.text_features import warn_if_unexpected
+from training.validation import build_validation
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,32 @@ def check_compatible(model_cfg: ModelConfig, model: nn.Module, index: FeatureInd
         raise UserError(f"model.preset: {model_cfg.preset} takes caption_channels={config.caption_channels}, "
                         f"data.path {index.source} has text_dim={index.text_dim}; pick a matching preset "
                         "or set model.overrides.caption_channels")
+    _check_sample_size(model_cfg, config, index)
+
+
+#: latent area / sample_size**2 that SanaPipeline's aspect-ratio bins span (ASPECT_RATIO_512_BIN
+#: in diffusers pipelines/pixart_alpha/pipeline_pixart_alpha.py: 0.90 (352x672) to 1.0)
+SAMPLE_AREA_RANGE = (0.85, 1.05)
+
+
+def _check_sample_size(model_cfg: ModelConfig, config: Any, index: FeatureIndex) -> None:
+    """The latents must match the transformer's ``sample_size``: SanaPipeline picks its
+    resolution bins by it (diffusers pipelines/sana/pipeline_sana.py ``__call__``:
+    sample_size 128/64/32/16 -> ASPECT_RATIO_4096/2048/1024/512_BIN), so a model trained on
+    other latents is sampled at a resolution it never saw. The test-only ``tiny`` preset
+    (random init) warns instead: its sample_size is nominal and tests feed it any size."""
+    _, h, w = index.latent_shape
+    size = int(config.sample_size)
+    ratio = h * w / size**2
+    if SAMPLE_AREA_RANGE[0] <= ratio <= SAMPLE_AREA_RANGE[1]:
+        return
+    msg = (f"data.path {index.source} has {h}x{w} latents but the model's sample_size is {size} "
+           f"({size}x{size}; SanaPipeline bins its resolutions by it); use features made at that "
+           "resolution, or for a from-scratch model set model.overrides.sample_size to the latent size")
+    if model_cfg.preset == "tiny" and not model_cfg.pretrained:
+        log.warning("%s", msg)
+        return
+    raise UserError(msg)
 
 
 def _throughput_fn(cfg: TrainConfig, backend: Backend, model: nn.Module, index: FeatureIndex):
@@ -105,9 +133,11 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
     loader = FeatureLoader.from_config(cfg.data, rank=backend.rank, world_size=backend.world_size)
     raw = build_model(cfg.model)
     check_compatible(cfg.model, raw, loader.index)
+    warn_if_unexpected(cfg.model.pretrained, raw, loader.index.text_conditioning, source=loader.index.source,
+                       enabled=backend.is_main)
     model = backend.prepare_model(raw)
     inner = backend.unwrap(model)
-    optimizer = backend.build_optimizer(model, optimizer_factory(cfg.optim))
+    optimizer = backend.build_optimizer(model, optimizer_factory(cfg.optim, inner))
     scheduler = build_scheduler(optimizer, cfg.optim, max_steps=cfg.max_steps)
     ema = EMA(inner, cfg.ema) if cfg.ema.enabled else None
     null_text, null_mask = loader.null_caption()
@@ -115,7 +145,7 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
                               null_text=null_text.to(backend.device), null_mask=null_mask.to(backend.device),
                               rank=backend.rank, world_size=backend.world_size)
     ckpt = Checkpointer(cfg.checkpoint, backend, output_dir=cfg.output_dir, run_config=cfg.to_dict(),
-                        provenance=run_provenance())
+                        provenance=run_provenance(text_conditioning=loader.index.text_conditioning.to_dict()))
     state = TrainState()
     last_ckpt = ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler, ema=ema, loader=loader,
                              state=state)
@@ -123,6 +153,8 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
     mfu_of, tokens_per_sample = _throughput_fn(cfg, backend, inner, loader.index)
     metrics = MetricsLogger(cfg.output_dir, enabled=backend.is_main, tensorboard=cfg.tensorboard,
                             total_steps=cfg.max_steps, start_step=state.step)
+    validation = build_validation(cfg.validation, backend, loader=loader, model=inner, output_dir=cfg.output_dir,
+                                  metrics=metrics, flow_shift=cfg.objective.flow_shift)
     if backend.is_main:
         log.info("training %s on %s from step %d to %d, global batch %d", cfg.model.preset,
                  backend.describe(), state.step, cfg.max_steps, global_batch)
@@ -155,6 +187,7 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
                 step_times.append(time.perf_counter() - t0)
                 window_steps += 1
                 metrics.advance(state.step)
+                validation.maybe_run(state.step, model, ema)
                 if state.step % cfg.log_every == 0 or state.step == cfg.max_steps:
                     now = time.perf_counter()
                     # Everything but the two device tensors is bound now: XLA runs this closure later.

@@ -1,7 +1,11 @@
 """Sana transformer presets and construction (random init or a pretrained diffusers dir).
 
-The model is diffusers' ``SanaTransformer2DModel`` unchanged, so an exported checkpoint
-drops into ``SanaPipeline`` and both backends train the identical graph.
+The model is diffusers' ``SanaTransformer2DModel`` with its weights and config unchanged, so
+an exported checkpoint drops into ``SanaPipeline`` and both backends train the identical
+graph. Two things differ from a bare ``SanaTransformer2DModel(...)``, both as NVlabs Sana
+trains: from-scratch weights follow Sana's ``initialize_weights`` (training/init.py), and the
+linear self-attention runs its matmuls in fp32 under autocast (training/attention.py; an
+attention processor, which ``save_pretrained`` does not serialize).
 """
 
 from __future__ import annotations
@@ -55,12 +59,21 @@ class ModelConfig:
     pretrained_cache: str = "~/.cache/sana-training/pretrained"
     #: recompute block activations in backward: ~30% slower, far less activation memory
     gradient_checkpointing: bool = False
+    #: linear self-attention matmuls + normaliser in fp32 under bf16 autocast (Sana's
+    #: ``fp32_attention: true``, "necessary for NAN loss"); false = diffusers' processor,
+    #: whose matmuls autocast to bf16 (kept for benchmarks/bf16_numerics.py's "before")
+    fp32_linear_attention: bool = True
+    #: from-scratch init: "sana" (Sana's initialize_weights, training/init.py) or "torch"
+    #: (PyTorch module defaults); ignored with ``pretrained``
+    init: str = "sana"
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"model.preset: unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
         if not isinstance(self.overrides, dict):
             raise ValueError("model.overrides: must be a mapping of SanaTransformer2DModel kwargs")
+        if self.init not in ("sana", "torch"):
+            raise ValueError(f"model.init: {self.init!r} is not one of 'sana', 'torch'")
 
     def model_kwargs(self) -> dict[str, Any]:
         """The ``SanaTransformer2DModel`` kwargs this config builds (preset + overrides)."""
@@ -85,7 +98,8 @@ def _local_pretrained(cfg: ModelConfig) -> Path:
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str | None = None) -> torch.nn.Module:
-    """Build the transformer in fp32 (backends cast it for their precision mode).
+    """Build the transformer in fp32 (backends cast it for their precision mode), with Sana's
+    init when random and the fp32 linear-attention processor either way.
 
     Args:
         cfg: the model section.
@@ -103,6 +117,14 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str | None = None) -
                 model = SanaTransformer2DModel(**cfg.model_kwargs())
         except TypeError as exc:
             raise UserError(f"model.overrides: {exc}; use SanaTransformer2DModel kwargs") from None
+        if cfg.init == "sana" and str(device) != "meta":
+            from training.init import initialize_weights
+
+            initialize_weights(model)
+    if cfg.fp32_linear_attention:
+        from training.attention import use_fp32_linear_attention
+
+        use_fp32_linear_attention(model)
     if cfg.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     model.train()

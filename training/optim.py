@@ -1,24 +1,46 @@
-"""AdamW and the learning-rate schedule (linear warm-up, then constant or cosine)."""
+"""Optimizers (AdamW, or CAME as NVlabs Sana trains), weight-decay groups and the
+learning-rate schedule (linear warm-up, then constant or cosine).
+
+Sana's configs (configs/sana_config/512ms/Sana_600M_img512.yaml, 1024ms/Sana_1600M_img1024.yaml
+``train.optimizer``) train with ``type: CAMEWrapper``, ``lr: 1e-4``, ``betas: [0.9, 0.999,
+0.9999]``, ``eps: [1e-30, 1e-16]``, ``weight_decay: 0.0``; Sana_1600M_img1024_AdamW.yaml is
+the AdamW variant. The CAME implementation is ours (training/came.py).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
+from torch import nn
+
+OPTIMIZERS = ("adamw", "came")
+#: betas / eps when the config leaves them unset, per optimizer (Sana's CAME values above;
+#: torch's AdamW defaults)
+DEFAULT_BETAS = {"adamw": (0.9, 0.999), "came": (0.9, 0.999, 0.9999)}
+DEFAULT_EPS: dict[str, Any] = {"adamw": 1e-8, "came": (1e-30, 1e-16)}
 
 
 @dataclasses.dataclass(kw_only=True)
 class OptimConfig:
     """Optimizer, schedule, clipping and accumulation. Defaults follow Sana's AdamW recipe."""
 
-    #: peak learning rate (Sana 600M/1.6B: 1e-4 with AdamW)
+    #: "adamw" (torch.optim.AdamW) or "came" (Sana's default optimizer; training/came.py)
+    name: str = "adamw"
+    #: peak learning rate (Sana 600M/1.6B: 1e-4, AdamW and CAME alike)
     lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    #: decoupled weight decay (AdamW); Sana uses 0 for its AdamW runs, 0.03 for CAME
+    #: AdamW: (beta1, beta2); CAME: (beta1, beta2, beta3). Unset = DEFAULT_BETAS[name]
+    betas: tuple[float, ...] | None = None
+    #: decoupled weight decay, never applied to biases, norms, embeddings or the
+    #: scale-shift tables (see ``param_groups``); Sana's configs use 0.0
     weight_decay: float = 0.0
-    eps: float = 1e-8
+    #: AdamW: one number; CAME: (eps1, eps2). Unset = DEFAULT_EPS[name]
+    eps: float | tuple[float, ...] | None = None
+    #: CAME: clip the update's RMS to this (came-pytorch / Sana default 1.0)
+    clip_threshold: float = 1.0
     #: linear warm-up from 0 to ``lr`` over this many optimizer steps
     warmup_steps: int = 0
     #: after warm-up: "constant" or "cosine" (decays to ``min_lr_ratio * lr`` at max_steps)
@@ -30,13 +52,29 @@ class OptimConfig:
     grad_accum_steps: int = 1
 
     def __post_init__(self) -> None:
-        self.betas = tuple(float(b) for b in self.betas)  # YAML gives a list
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optim.name: {self.name!r} is not one of {list(OPTIMIZERS)}")
+        want = 2 if self.name == "adamw" else 3
+        betas = DEFAULT_BETAS[self.name] if self.betas is None else self.betas
+        self.betas = tuple(float(b) for b in betas)  # YAML gives a list
         if self.lr <= 0:
             raise ValueError("optim.lr: must be > 0")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError("optim.betas: must be two numbers in [0, 1)")
-        if self.weight_decay < 0 or self.eps <= 0:
+        if len(self.betas) != want or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas: {self.name} takes {want} numbers in [0, 1), got {list(self.betas)}")
+        eps = DEFAULT_EPS[self.name] if self.eps is None else self.eps
+        if self.name == "adamw":
+            if isinstance(eps, list | tuple):
+                raise ValueError("optim.eps: adamw takes one number (e.g. 1e-8)")
+            self.eps = float(eps)
+        else:
+            if not isinstance(eps, list | tuple) or len(eps) != 2:
+                raise ValueError("optim.eps: came takes two numbers (Sana: [1e-30, 1e-16])")
+            self.eps = tuple(float(e) for e in eps)
+        eps_all = self.eps if isinstance(self.eps, tuple) else (self.eps,)
+        if self.weight_decay < 0 or not all(e > 0 for e in eps_all):
             raise ValueError("optim.weight_decay / optim.eps: must be >= 0 / > 0")
+        if self.clip_threshold <= 0:
+            raise ValueError("optim.clip_threshold: must be > 0")
         if self.warmup_steps < 0:
             raise ValueError("optim.warmup_steps: must be >= 0")
         if self.schedule not in ("constant", "cosine"):
@@ -49,15 +87,90 @@ class OptimConfig:
             raise ValueError("optim.grad_accum_steps: must be >= 1")
 
 
-def optimizer_factory(cfg: OptimConfig) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
-    """What ``Backend.build_optimizer`` calls with the (possibly sharded) parameters."""
+#: parameter-name fragments that never take weight decay besides biases and norm weights:
+#: the adaLN scale-shift tables (diffusers ``scale_shift_table``; Sana ``scale_shift_table``)
+NO_DECAY_NAMES = ("scale_shift_table",)
+NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
-    def make(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+
+def _is_norm(module: nn.Module) -> bool:
+    # diffusers' RMSNorm (diffusers.models.normalization.RMSNorm) is its own class, not nn.RMSNorm
+    return isinstance(module, NORM_TYPES) or type(module).__name__ in ("RMSNorm", "FP32LayerNorm")
+
+
+def no_decay_names(model: nn.Module) -> set[str]:
+    """Names of the parameters weight decay must not touch: biases, norm weights, embedding
+    tables and the scale-shift tables (decaying them pulls gains/offsets towards 0, not a
+    regulariser - the usual exclusion, e.g. minGPT's configure_optimizers). Sana's own
+    constructor (diffusion/utils/optimizer.py ``MyOptimizerConstructor``) only exempts what a
+    module lists in ``zero_weight_decay``; its configs train with weight_decay 0.0, where the
+    question does not arise."""
+    names: set[str] = set()
+    for mod_name, module in model.named_modules():
+        for p_name, _ in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            if (p_name == "bias" or _is_norm(module) or isinstance(module, nn.Embedding)
+                    or any(frag in full for frag in NO_DECAY_NAMES)):
+                names.add(full)
+    return names
+
+
+def param_groups(params: Iterable[nn.Parameter], cfg: OptimConfig, model: nn.Module | None
+                 ) -> list[dict[str, Any]]:
+    """``params`` (what a backend hands ``make``: the model's own, possibly DTensor or XLA,
+    parameter objects) split into [decay, no-decay] groups when weight decay is on.
+
+    With weight_decay 0 there is one group (nothing to exempt; checkpoints of such runs keep
+    one group). Names are looked up by identity on ``model`` at call time, after the backend
+    moved/sharded it. Without a model, 0-/1-D tensors (biases, norm weights) are exempt.
+    """
+    params = list(params)
+    if cfg.weight_decay == 0:
+        return [{"params": params}]
+    if model is not None:
+        exempt_names = no_decay_names(model)
+        exempt = {id(p) for n, p in model.named_parameters() if n in exempt_names}
+    else:
+        exempt = {id(p) for p in params if p.dim() <= 1}
+    groups = [{"params": [p for p in params if id(p) not in exempt], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if id(p) in exempt], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def optimizer_factory(cfg: OptimConfig, model: nn.Module | None = None
+                      ) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+    """What ``Backend.build_optimizer`` calls with the (possibly sharded) parameters.
+
+    Args:
+        cfg: the optim section.
+        model: the model those parameters belong to (the loop passes the prepared model),
+            for the no-decay names; see ``param_groups``.
+    """
+
+    def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        groups = param_groups(params, cfg, None if model is None else _unwrapped(model))
+        if cfg.name == "came":
+            from training.came import CAME
+
+            return CAME(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, clip_threshold=cfg.clip_threshold,
+                        weight_decay=cfg.weight_decay)
         # torch picks the foreach implementation on CUDA (and DTensor) by itself.
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                 weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
     return make
+
+
+def _unwrapped(model: nn.Module) -> nn.Module:
+    """torch.compile / DDP wrappers -> the module whose parameter names checkpoints use."""
+    model = getattr(model, "_orig_mod", model)
+    return getattr(model, "module", model)
+
+
+def named_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[tuple[float, list[str]]]:
+    """(weight_decay, parameter names) per group: for logs and tests."""
+    names = {id(p): n for n, p in _unwrapped(model).named_parameters()}
+    for group in optimizer.param_groups:
+        yield group["weight_decay"], [names.get(id(p), "?") for p in group["params"]]
 
 
 def lr_multiplier(step: int, *, cfg: OptimConfig, max_steps: int) -> float:

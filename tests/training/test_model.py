@@ -83,3 +83,41 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+# ----- latents vs the transformer's sample_size (training/loop.py check_compatible) ----------
+def _index(tmp_path: Path, latent_shape: tuple[int, int, int], text_dim: int = 8):
+    from training.data import FeatureIndex, write_synthetic_features
+
+    write_synthetic_features(tmp_path, num_samples=2, latent_shape=latent_shape, text_dim=text_dim,
+                             max_text_tokens=4)
+    return FeatureIndex.load(tmp_path)
+
+
+def test_latents_must_match_the_sample_size_sanapipeline_bins_by(tmp_path: Path) -> None:
+    from training.loop import check_compatible
+
+    cfg = ModelConfig(preset="sana-600m-512", overrides=dict(num_layers=1))
+    model = build_model(cfg, device="meta")
+    check_compatible(cfg, model, _index(tmp_path / "ok", (32, 16, 16), 2304))  # 512px: sample_size 16
+    check_compatible(cfg, model, _index(tmp_path / "wide", (32, 12, 20), 2304))  # an aspect bucket, same area
+    with pytest.raises(UserError) as err:
+        check_compatible(cfg, model, _index(tmp_path / "big", (32, 32, 32), 2304))  # 1024px features
+    msg = str(err.value)
+    assert "\n" not in msg and "32x32 latents" in msg and "sample_size is 16" in msg
+    assert "model.overrides.sample_size" in msg
+    fixed = ModelConfig(preset="sana-600m-512", overrides=dict(num_layers=1, sample_size=32))
+    check_compatible(fixed, build_model(fixed, device="meta"), _index(tmp_path / "big", (32, 32, 32), 2304))
+
+
+def test_pretrained_mismatch_is_refused_and_tiny_only_warns(tmp_path: Path, caplog) -> None:
+    from training.loop import check_compatible
+
+    _saved_tiny(tmp_path / "transformer")
+    index = _index(tmp_path / "f", (4, 8, 8))
+    pretrained = ModelConfig(pretrained=str(tmp_path / "transformer"))
+    with pytest.raises(UserError, match="sample_size is 32"):
+        check_compatible(pretrained, build_model(pretrained), index)
+    tiny = ModelConfig(preset="tiny")
+    check_compatible(tiny, build_model(tiny), index)
+    assert "8x8 latents but the model's sample_size is 32" in caplog.text

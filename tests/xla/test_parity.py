@@ -11,7 +11,7 @@ import pytest
 import torch
 from xla_helpers import run_steps
 
-from training.backends.gpu import GpuBackend, GpuConfig
+from training.backends.gpu import GpuBackend, GpuConfig, _cast_floats_to_bf16
 from training.backends.neuron import NeuronBackend
 from training.backends.neuron_config import NeuronConfig
 
@@ -25,8 +25,22 @@ BF16_LOSS_RTOL = 2e-2
 BF16_WEIGHT_ATOL = 5e-3
 
 
+class _EagerPureBf16(GpuBackend):
+    """Eager CPU reference for Trainium's pure bf16 (bf16 weights, fp32 timestep), which the
+    GPU backend refuses for training (training/backends/gpu.py GPU_BF16_REFUSED)."""
+
+    def __init__(self) -> None:
+        super().__init__(GpuConfig(), precision="fp32")
+        self.precision = "bf16"  # autocast() stays a no-op, as for pure bf16
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model.to(torch.bfloat16)
+        model.register_forward_pre_hook(_cast_floats_to_bf16, with_kwargs=True)
+        return super().prepare_model(model)
+
+
 def _pair(features, precision: str, steps: int) -> tuple[dict, dict]:
-    gpu = GpuBackend(GpuConfig(), precision=precision)
+    gpu = _EagerPureBf16() if precision == "bf16" else GpuBackend(GpuConfig(), precision=precision)
     gpu.init()
     xla = NeuronBackend(NeuronConfig(), precision=precision)
     xla.init()

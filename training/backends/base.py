@@ -63,8 +63,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def build_optimizer(self, model: nn.Module, make: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
                         ) -> torch.optim.Optimizer:
-        """Build the optimizer over ``model``'s parameters with ``make`` (e.g. AdamW with the
-        configured hyper-parameters); a backend may wrap it (ZeRO-1 on Trainium)."""
+        """Build the optimizer over ``model``'s parameters with ``make`` (AdamW or CAME with the
+        configured hyper-parameters, training/optim.py); a backend may wrap it (ZeRO-1 on
+        Trainium). Hand ``make`` the model's own parameter objects as they are after
+        ``prepare_model`` (DTensors under FSDP2, XLA tensors): ``make`` splits them into
+        weight-decay groups by looking their names up on the model by identity."""
 
     # ----- the step ---------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:

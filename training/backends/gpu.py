@@ -7,8 +7,19 @@ state alone (~19 GiB) plus activations crowds an 80 GiB H100 under DDP.
 Precision modes (TrainConfig.precision):
 - ``fp32``: fp32 everywhere (TF32 matmuls on Ampere+ when ``gpu.tf32``).
 - ``bf16-mixed``: fp32 master weights and optimizer state, bf16 compute via autocast
-  (FSDP additionally gathers parameters in bf16 and reduces gradients in fp32).
-- ``bf16``: pure bf16 weights, gradients and AdamW state; half the memory, less accuracy.
+  (FSDP additionally gathers the attention/feed-forward parameters in bf16 and reduces their
+  gradients in fp32, and casts no forward inputs, so it computes what DDP + autocast does;
+  see ``_fully_shard``). What stays fp32 as in NVlabs Sana: the linear self-attention's
+  matmuls and normaliser (training/attention.py), the timestep and its sinusoidal embedding,
+  the adaLN modulation and residual stream, autocast's fp32 ops (norms, softmax), the loss.
+- ``bf16``: refused here (``UserError``), on purpose. Pure bf16 weights and AdamW state
+  with round-to-nearest lose every update below half a bf16 ulp (a norm weight at 1.0
+  with lr 1e-4 never moves); Trainium makes that rounding unbiased with the runtime's
+  stochastic rounding (training/backends/neuron.py), CUDA has no such switch. The fix, fp32
+  master weights behind the bf16 model, *is* ``bf16-mixed`` with an extra bf16 copy: on
+  GPU it would cost more memory than ``bf16-mixed`` (2 + 4 + 8 vs 4 + 8 bytes/parameter;
+  FSDP's bf16 ``param_dtype`` already gathers and computes in bf16), so there is nothing
+  to gain from a master-weight optimizer wrapper and one line names the mode to use.
 
 State dicts leave this backend full, on CPU and name-keyed (training/backends/state.py);
 they are complete on rank 0 and may be empty on other ranks (rank 0 writes checkpoints).
@@ -31,8 +42,13 @@ from torch import nn
 
 from training.backends.base import Backend, Batch
 from training.backends.state import from_named_optimizer_state, to_named_optimizer_state
+from training.errors import UserError
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+#: the one line a GPU run with ``precision: bf16`` fails with (see the module docstring)
+GPU_BF16_REFUSED = ("precision: 'bf16' (pure bf16 weights and AdamW state) is refused on the GPU backend: "
+                    "without stochastic rounding updates below half a bf16 ulp are lost; use "
+                    "precision: bf16-mixed (fp32 master weights, bf16 compute)")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -64,8 +80,11 @@ def _free_port() -> int:
 
 
 def _cast_floats_to_bf16(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Pure-bf16 forward pre-hook: inputs follow the bf16 weights. The timestep stays fp32:
-    bf16 resolves only ~4 units near t=1000 and the embedding casts it itself."""
+    """Forward pre-hook casting the float inputs to bf16 - except the timestep, which stays
+    fp32: bf16 resolves only ~4 units near t=1000, and the sinusoidal projection (diffusers
+    ``Timesteps``; Sana's ``TimestepEmbedder.timestep_embedding`` computes ``t.float()``) must
+    see the exact value; the embedding casts its output to the compute dtype itself.
+    Used for pure-bf16 models (Trainium's precision "bf16")."""
     def cast(name: str, v: Any) -> Any:
         if torch.is_tensor(v) and v.is_floating_point() and name != "timestep":
             return v.to(torch.bfloat16)
@@ -94,6 +113,8 @@ class GpuBackend(Backend):
     def __init__(self, cfg: GpuConfig, *, precision: str = "bf16-mixed") -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision: {precision!r} is not one of {PRECISIONS}")
+        if precision == "bf16":
+            raise UserError(GPU_BF16_REFUSED)
         self.cfg = cfg
         self.precision = precision
         self.device = torch.device("cpu")
@@ -136,9 +157,6 @@ class GpuBackend(Backend):
     # ----- model and optimizer ---------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
         model.to(self.device)
-        if self.precision == "bf16":
-            model.to(torch.bfloat16)
-            model.register_forward_pre_hook(_cast_floats_to_bf16, with_kwargs=True)
         if self.cfg.distributed == "fsdp":
             model = self._fully_shard(model)
         elif self.world_size > 1:
@@ -155,14 +173,38 @@ class GpuBackend(Backend):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mp = MixedPrecisionPolicy()
-        if self.precision == "bf16-mixed":
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=self.cfg.fsdp_reshard_after_forward)
-        # One FSDP unit per transformer block (torchtitan's recipe): gathers overlap compute.
+        kw = dict(mesh=mesh, reshard_after_forward=self.cfg.fsdp_reshard_after_forward)
+        if self.precision != "bf16-mixed":
+            # One FSDP unit per transformer block (torchtitan's recipe): gathers overlap compute.
+            for block in getattr(model, "transformer_blocks", []):
+                fully_shard(block, **kw)
+            fully_shard(model, **kw)
+            self._fsdp_root = model
+            return model
+        # bf16-mixed: make FSDP compute what DDP + autocast computes.
+        # - No input casting (cast_forward_inputs=False): the default casts every float input
+        #   of a unit to param_dtype, the root's timestep (sigma * 1000, bf16 steps of 4 near
+        #   1000) included, before its sinusoidal embedding, which Sana computes in fp32.
+        #   bf16-mixed always runs under autocast (``autocast()``), which casts each op's
+        #   inputs as under DDP. https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
+        #   (MixedPrecisionPolicy.cast_forward_inputs)
+        # - bf16 parameters only where autocast would cast them anyway: the attention and
+        #   feed-forward sub-modules (all their compute is Linear/conv/SDPA, on autocast's bf16
+        #   list). The block's own ``scale_shift_table`` and the root's parameters (embeddings,
+        #   caption norm, output modulation) stay fp32 units: with bf16 copies the adaLN
+        #   modulation and the residual stream, elementwise ops autocast leaves alone, would
+        #   drop to bf16 where DDP keeps them fp32 (measured: benchmarks/bf16_numerics.py).
+        #   The fp32 units hold 6*dim values per block plus the root (~2.3% of sana-600m-512).
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                    cast_forward_inputs=False)
+        fp32 = MixedPrecisionPolicy(cast_forward_inputs=False)
         for block in getattr(model, "transformer_blocks", []):
-            fully_shard(block, **kw)
-        fully_shard(model, **kw)
+            for name in ("attn1", "attn2", "ff"):
+                child = getattr(block, name, None)
+                if child is not None:
+                    fully_shard(child, mp_policy=bf16, **kw)
+            fully_shard(block, mp_policy=fp32, **kw)
+        fully_shard(model, mp_policy=fp32, **kw)
         self._fsdp_root = model
         return model
 

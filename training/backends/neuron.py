@@ -39,6 +39,12 @@ Precision modes (``TrainConfig.precision``), and the trade-off:
   copy of its own shard (``optimizer_dtype=float32``), i.e. bf16 compute with sharded fp32
   master weights - the usual large-model recipe on Trainium.
 
+In every mode the linear self-attention's matmuls and normaliser run in fp32, as NVlabs Sana
+trains: the model's processor (training/attention.py) disables ``torch.autocast("xla")``
+around them and casts q/k/v to fp32 (tests/xla/test_numerics_xla.py), and the timestep stays
+fp32 in pure bf16 (``_cast_floats_to_bf16``). CAME (``optim.name: came``) is refused with
+ZeRO-1 (``build_optimizer``).
+
 State dicts leave this backend as the GPU backend's do (training/backends/state.py): full,
 CPU, name-keyed, complete on rank 0 and empty on the others; a device->host copy of every
 tensor is made on rank 0 only, between ``xm.rendezvous`` fences (``xm.save`` would make one
@@ -262,6 +268,15 @@ class NeuronBackend(Backend):
         if not self.cfg.zero1:
             init_adam_state(optimizer)
             return optimizer
+        from training.came import CAME
+
+        if isinstance(optimizer, CAME):
+            # ZeRO-1 hands the base optimizer dim-0 slices (zero_redundancy_optimizer.py
+            # _shard_tensor: pad, chunk(world)[rank]): CAME's column means and update RMS would
+            # be taken per slice, a different optimizer from the one configured.
+            raise UserError("optim.name: came factors each weight's second moment over its full rows and "
+                            "columns, which trainium.zero1's dim-0 shards split; use optim.name: adamw with "
+                            "zero1, or set trainium.zero1: false")
         from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
         # ZeRO-1 takes an optimizer *class*; ``make`` gives an instance. Its param_groups carry
