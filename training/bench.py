@@ -331,7 +331,7 @@ class BareStep:
 
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg.model)
-        self.optimizer = optimizer_factory(cfg.optim)(self.model.parameters())
+        self.optimizer = optimizer_factory(cfg.optim, self.model)(self.model.parameters())
         n_tokens, dim = batch["text"].shape[1:]
         self.objective = RectifiedFlow(cfg.objective, vae_scaling_factor=1.0,
                                        null_text=torch.zeros(n_tokens, dim),

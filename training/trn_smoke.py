@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_cfg = ModelConfig(preset=args.preset)
         model = backend.prepare_model(build_model(model_cfg))
         optim = OptimConfig(lr=1e-3, max_grad_norm=1.0)
-        optimizer = backend.build_optimizer(model, optimizer_factory(optim))
+        optimizer = backend.build_optimizer(model, optimizer_factory(optim, model))
         scheduler = build_scheduler(optimizer, optim, max_steps=args.steps)
         kw = model_cfg.model_kwargs()
         size = int(kw.get("sample_size", 32))
