@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Helpers every lifecycle step sources: where things live, one-line logging, and failing
-# with one line that on_create.sh turns into "FAILED step=<name>: <cause>".
+# with one line that on_init_complete.sh turns into "FAILED step=<name>: <cause>".
 #
 # Everything on the node's root filesystem is under PLATFORM_ROOT (empty on a real node),
 # so the tests run these scripts for real inside a temporary directory.
@@ -15,17 +15,17 @@ STATE_DIR="${PLATFORM_ROOT}/var/lib/sana-platform"
 PROFILE_PATH="${PLATFORM_ROOT}/etc/profile.d/sana-platform.sh"
 }
 
-# The [tag] of this script's log lines: the step name on_create.sh gives it, else the
+# The [tag] of this script's log lines: the step name on_init_complete.sh gives it, else the
 # script's own name (a step run alone).
 STEP_NAME=${STEP_NAME:-$(basename "$0" .sh)}
 
-# log MESSAGE...: one timestamped line on stdout; on_create.sh tees its stdout into
+# log MESSAGE...: one timestamped line on stdout; on_init_complete.sh tees its stdout into
 # PROVISION_LOG, and HyperPod ships stdout to CloudWatch.
 log() {
   printf '%s [%s] %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$STEP_NAME" "$*"
 }
 
-# die CAUSE...: stop this step. The cause is handed to on_create.sh (STEP_ERROR_FILE),
+# die CAUSE...: stop this step. The cause is handed to on_init_complete.sh (STEP_ERROR_FILE),
 # which prints the single FAILED line; run alone, a step prints it on stderr.
 die() {
   if [[ -n ${STEP_ERROR_FILE:-} ]]; then
@@ -50,12 +50,12 @@ step_init() {
   trap 'on_unexpected_error $? "$BASH_COMMAND" "${BASH_SOURCE[0]##*/}:$LINENO"' ERR
 }
 
-# require_vars NAME...: the variables on_create.sh exports from the settings and the
+# require_vars NAME...: the variables on_init_complete.sh exports from the settings and the
 # node identity; a step run without them is a bug, not a node problem.
 require_vars() {
   local name
   for name in "$@"; do
-    [[ -n ${!name:-} ]] || die "internal: $name is not set (run this step through on_create.sh)"
+    [[ -n ${!name:-} ]] || die "internal: $name is not set (run this step through on_init_complete.sh)"
   done
 }
 

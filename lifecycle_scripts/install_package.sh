@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Step "package": install the training package the stack bundled next to these scripts
-# (./training/) at $FSX/platform/<package_hash>/training and point $FSX/platform/current
-# at it. Each version is copied to a temp dir and renamed into place, so a directory named
+# (./training/) at $FSX/platform/<package_hash>/training, these lifecycle scripts with their
+# platform-settings.json at $FSX/platform/<package_hash>/lifecycle (rollout.sh and
+# training/slurm/rollout.sbatch run them from there), and point $FSX/platform/current at it. Each version is copied to a temp dir and renamed into place, so a directory named
 # by a hash is always complete; the `current` link is swapped atomically, so a job that
 # starts meanwhile sees the old or the new package, never a mix.
 set -euo pipefail
@@ -11,17 +12,24 @@ step_init
 require_vars FSX CFG_PACKAGE_HASH LIFECYCLE_DIR
 
 source_dir="$LIFECYCLE_DIR/training"
+# Run from an installed package ($FSX/platform/<hash>/lifecycle/, a re-run by hand or after a
+# rollout): the package is the sibling directory.
+if [[ ! -f $source_dir/__init__.py && -f $LIFECYCLE_DIR/../training/__init__.py ]]; then
+  source_dir=$(cd "$LIFECYCLE_DIR/../training" && pwd)
+fi
 platform_dir="$FSX/platform"
 dest="$platform_dir/$CFG_PACKAGE_HASH"
 
 [[ -f $source_dir/__init__.py ]] \
-  || die "no training package at $source_dir; the stack uploads it as training/ next to on_create.sh"
+  || die "no training package at $source_dir; the stack uploads it as training/ next to on_init_complete.sh"
 
 if [[ -d $dest ]]; then
   log "package $CFG_PACKAGE_HASH already installed at $dest"
 else
   incoming=$(mktemp -d "$platform_dir/.incoming-$CFG_PACKAGE_HASH.XXXXXX")
   cp -R "$source_dir" "$incoming/training"
+  mkdir "$incoming/lifecycle"
+  cp "$LIFECYCLE_DIR"/*.sh "$LIFECYCLE_DIR/platform-settings.json" "$incoming/lifecycle/"
   chmod -R u+rwX,go+rX,go-w "$incoming"
   # rename(2) fails if another node renamed its copy first; theirs is as good as ours.
   if mv -T "$incoming" "$dest" 2>/dev/null; then

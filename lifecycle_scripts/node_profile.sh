@@ -5,7 +5,7 @@
 # It is sourced by sh as well as bash (/etc/profile), so it is plain POSIX `export`s. It
 # holds no timestamp: re-provisioning writes the same bytes.
 #
-# Inputs (exported by on_create.sh from settings.env and node.env; tests/slurm runs this
+# Inputs (exported by on_init_complete.sh from settings.env and node.env; tests/slurm runs this
 # script alone with exactly these to get real profiles): PLATFORM_ROOT, NODE_ROLE,
 # NODE_GROUP, FSX, ENV_GPU_DIR, ENV_NEURON_DIR, CFG_RDZV_PORT, CFG_REGION, CFG_PROJECT,
 # CFG_CLUSTER_NAME, CFG_ARTEFACTS_BUCKET, CFG_DATA_BUCKET.

@@ -1,17 +1,44 @@
 #!/usr/bin/env bash
-# HyperPod runs this on every node when the cluster is created and again on a replacement
-# node (LifeCycleConfig.OnCreate). It finds this node's role and runs one small script per
-# concern; see runbooks/node-boot.md.
+# HyperPod runs this on every node, as root, when the cluster is created and again on every
+# replacement node: LifeCycleConfig.OnInitComplete, i.e. HyperPod's *Extended* lifecycle mode.
 #
-#   all roles   settings -> identity -> fsx -> dirs -> package -> profile -> ... -> ready
+# What HyperPod has done before this script starts (Extended mode):
+#   - "OnInitComplete: ... This script runs on the node after the AMI-based initialization is
+#     complete" (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_ClusterLifeCycleConfig.html).
+#     The AWS::SageMaker::Cluster resource schema (ClusterLifeCycleConfig): "When provided with
+#     SourceS3Uri and OnInitComplete, uses Extended mode" (OnCreate would be Customer Managed
+#     mode, where the scripts must write slurm.conf and start Slurm themselves).
+#   - The AMI-based initialization configures Slurm from the API (Orchestrator.Slurm and each
+#     group's SlurmConfig; "API-driven Slurm configuration",
+#     https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-hyperpod-ref.html) and sets up
+#     Slurm and Docker: "HyperPod sets up Slurm and Docker automatically, then runs your
+#     extension script" (awslabs/awsome-distributed-ai,
+#     1.architectures/5.sagemaker-hyperpod/Extensions/observability/README.md, "Option A:
+#     OnInitComplete"; the combined entry point there is Extensions/run_extensions.sh).
+#   - It mounts FSx for Lustre from the group's InstanceStorageConfigs and writes
+#     /opt/ml/config/resource_config.json (Extensions/detect-node/README.md: written "before
+#     any lifecycle scripts run").
+#
+# So this script OWNS NOTHING OF SLURM: no step writes slurm.conf, gres.conf or cgroup.conf,
+# and none starts, stops or restarts slurmctld/slurmd/munge (HyperPod owns them and keeps
+# slurm.conf in sync as groups scale, SlurmConfigStrategy=Managed). A Slurm setting we need
+# goes through the API (the cluster stack's SlurmConfig), never through a file here. The
+# daemons may still be starting while we run (detect-node/README.md: "OnInitComplete and
+# lifecycle scripts can run before or in parallel with Slurm service startup"), so the last
+# step waits, with a bound, until this node's daemon is active before it reports READY.
+#
+# Steps (one small script per concern; see runbooks/node-boot.md):
+#   all roles   settings -> identity -> fsx -> dirs -> users -> package -> profile -> ... -> ready
 #   gpu         ... -> env-gpu (build /fsx/envs/gpu once per cluster) -> ready
 #   trn         ... -> env-neuron (build /fsx/envs/neuron once per cluster) -> ready
 #   login       ... -> env-gpu (only the base Python the GPU env links to) -> ready
 #
 # Every line goes to stdout (HyperPod ships it to CloudWatch) and to
 # /var/log/provision/provisioning.log. A failure ends with ONE line
-#   <time> [on_create] FAILED step=<step>: <cause>
-# and a non-zero exit. Safe to re-run: every step converges to the same state.
+#   <time> [on_init_complete] FAILED step=<step>: <cause>
+# and, after a bounded wait for the log shipping (below), a non-zero exit, which fails the
+# node's creation (observability/README.md: "Cluster creation with OnInitComplete will fail
+# if the script exits non-zero"). Safe to re-run: every step converges to the same state.
 #
 # Environment (tests set these; production leaves them unset):
 #   PLATFORM_ROOT                   prefix for every root-filesystem path (empty on a node)
@@ -19,8 +46,10 @@
 #   LIFECYCLE_FSX_WAIT_S            how long to wait for the FSx mount (default 300)
 #   LIFECYCLE_ENV_LOCK_TIMEOUT_S    how long to wait for another node's env build (default 3600)
 #   LIFECYCLE_MIN_PYTHON            oldest Python the envs may be built with (default 3.11)
+#   LIFECYCLE_SLURM_WAIT_S          how long the ready step waits for this node's Slurm daemon (default 300)
+#   LIFECYCLE_FAILURE_LOG_WAIT_S    seconds to wait after a failure so the log reaches CloudWatch (default 60)
 
-# Started as `sh on_create.sh`? Re-run under bash before anything bash-only.
+# Started as `sh on_init_complete.sh`? Re-run under bash before anything bash-only.
 if [ -z "${BASH_VERSION:-}" ]; then exec bash "$0" "$@"; fi
 set -euo pipefail
 
@@ -52,6 +81,12 @@ run_step() {
   log "step $name: done in $((SECONDS - started))s"
 }
 
+# fail STEP CAUSE: the node status file on FSx (once it is usable), the one FAILED line, then
+# a bounded wait before exiting non-zero. HyperPod ships this script's output to CloudWatch
+# asynchronously and a failed node is torn down; its own sample entry point syncs and sleeps
+# 60 s "to make sure logs are uploaded" before exiting with an error (awslabs/awsome-distributed-ai,
+# 1.architectures/5.sagemaker-hyperpod/Extensions/run_extensions.sh, run_feature). The wait
+# prints nothing, so the FAILED line stays the last line of the log.
 fail() {
   local step=$1 cause=${2% }
   if [[ -n ${FSX:-} && -n ${NODE_NAME:-} && -d $FSX/logs/provision ]]; then
@@ -60,6 +95,10 @@ fail() {
       "${NODE_IP:-}" "$step" "$cause" >"$(node_status_file)" 2>/dev/null || true
   fi
   log "FAILED step=$step: $cause"
+  local wait_s=${LIFECYCLE_FAILURE_LOG_WAIT_S:-60}
+  [[ $wait_s =~ ^[0-9]+$ ]] || wait_s=60
+  sync || true
+  sleep "$wait_s"
   exit 1
 }
 
@@ -78,6 +117,7 @@ main() {
   load "$STATE_DIR/node.env"
   run_step fsx fsx_mount.sh
   run_step dirs shared_dirs.sh
+  run_step users cluster_users.sh
   run_step package install_package.sh
   run_step profile node_profile.sh
   case $NODE_ROLE in

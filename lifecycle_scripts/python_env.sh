@@ -2,9 +2,12 @@
 # Step "env-gpu" / "env-neuron": the backend's Python environment on FSx, built ONCE per
 # cluster however many nodes boot at the same time.
 #
-#   python_env.sh gpu|neuron [build|use]
+#   python_env.sh gpu|neuron [build|use|prepare]
 #
 # build (gpu/trn nodes): build the env if no node has, wait for it otherwise, verify it.
+# prepare (rollout.sh): the same for the package being rolled out, but leave the link alone:
+# rollout.sh flips the env links and platform/current together once every env is ready. With
+# PYTHON_ENV_TARGET_FILE set, the env's directory name is written there.
 # use (login node): only make sure this node has the base Python the env links to (a venv's
 # bin/python points at the node-local interpreter), and check the env if it is ready yet.
 #
@@ -44,7 +47,7 @@ case $kind in
 esac
 
 mode=${2:-build}
-[[ $mode == build || $mode == use ]] || die "usage: python_env.sh gpu|neuron [build|use] (got '$mode')"
+[[ $mode =~ ^(build|use|prepare)$ ]] || die "usage: python_env.sh gpu|neuron [build|use|prepare] (got '$mode')"
 requirements="$FSX/platform/$CFG_PACKAGE_HASH/training/requirements-$kind.txt"
 lock_timeout=${LIFECYCLE_ENV_LOCK_TIMEOUT_S:-3600}
 # The training pins need Python >= 3.11 (numpy 2.4, diffusers 0.42 and transformers 5.2x
@@ -112,8 +115,9 @@ build_env() {
   local status=0
   # --no-cache-dir: the wheels (GBs for torch + CUDA) would only fill the root volume twice.
   # --retries 10: HyperPod's host agent restarts systemd-resolved while lifecycle scripts run
-  # (awsome-distributed-training's on_create.sh sleeps 30 s for it); pip retries name
-  # resolution errors with backoff, which rides that out without a blind sleep.
+  # (awslabs/awsome-distributed-ai, 1.architectures/5.sagemaker-hyperpod/LifecycleScripts/
+  # base-config/on_create.sh sleeps 30 s for it); pip retries name resolution errors with
+  # backoff, which rides that out without a blind sleep.
   "$target/bin/python" -m pip install --no-input --disable-pip-version-check --no-cache-dir --retries 10 \
     "${index_args[@]}" -r "$requirements" || status=$?
   ((status == 0)) || die "pip install -r $requirements failed (exit $status); the pip output above in the provisioning log says which requirement"
@@ -146,9 +150,9 @@ if [[ $mode == use ]]; then
   exit 0
 fi
 
-if is_ready && [[ $(readlink "$link" 2>/dev/null) == "$(basename "$target")" ]]; then
-  log "env $link -> $(basename "$target") is already built and ready"
-else
+# build_once: the env at $target, built by whichever node takes the lock first. Returns with
+# the lock still held (fd 9) so the caller can flip the link before another node looks.
+build_once() {
   exec 9>>"$lock"
   log "waiting up to ${lock_timeout}s for the build lock $lock"
   flock -w "$lock_timeout" 9 \
@@ -158,6 +162,27 @@ else
   else
     build_env
   fi
+}
+
+if [[ $mode == prepare ]]; then
+  if is_ready; then
+    log "env $target is already built and ready"
+  else
+    build_once
+    exec 9>&-
+  fi
+  check_imports "$target" || die "env $target (ready marker present) cannot import ${imports[*]}: $import_error"
+  if [[ -n ${PYTHON_ENV_TARGET_FILE:-} ]]; then
+    basename "$target" | write_atomically "$PYTHON_ENV_TARGET_FILE" 0644
+  fi
+  log "env $target imports ${imports[*]}; $link is flipped by the rollout"
+  exit 0
+fi
+
+if is_ready && [[ $(readlink "$link" 2>/dev/null) == "$(basename "$target")" ]]; then
+  log "env $link -> $(basename "$target") is already built and ready"
+else
+  build_once
   point_link "$link" "$(basename "$target")"
   exec 9>&- # release the lock; verification below needs no lock
 fi

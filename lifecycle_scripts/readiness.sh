@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Step "ready": is this node ready for a Sana job? FSx writable, the accelerator driver
 # answers (nvidia-smi / neuron-ls, where installed), the backend env imports torch (and
-# torch_xla on trn) plus the training package. On success it writes this node's one-line
-# status file on FSx ($FSX/logs/provision/<instance>.status); on_create.sh writes a FAILED
-# one when any step fails.
+# torch_xla on trn) plus the training package, and this node's part of Slurm is up (slurmctld
+# on the controller, slurmd on gpu/trn nodes, the controller reachable from the login node).
+# On success it writes this node's one-line status file on FSx
+# ($FSX/logs/provision/<instance>.status); on_init_complete.sh writes a FAILED one when any
+# step fails.
 set -euo pipefail
 # shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -46,6 +48,49 @@ check_env() {
   details+=("env=$env")
 }
 
+# check_slurm: HyperPod (Extended mode) configures and starts this node's part of Slurm; we
+# only wait for it, with a bound: "OnInitComplete and lifecycle scripts can run before or in
+# parallel with Slurm service startup" (awslabs/awsome-distributed-ai,
+# 1.architectures/5.sagemaker-hyperpod/Extensions/detect-node/README.md). What "up" means per
+# role follows HyperPod's own scripts:
+#   controller  slurmctld active (Extensions/observability/install_slurm_exporter.sh checks
+#               `systemctl is-active --quiet slurmctld`)
+#   gpu, trn    slurmd active (LifecycleScripts/base-config/start_slurm.sh enables slurmd on
+#               compute nodes)
+#   login       the controller answers `scontrol ping`: a login node only submits, and
+#               slurmd does not stay up there ("slurmd won't run because slurm.conf does not
+#               contain login nodes", start_slurm.sh: the Customer Managed sample; Extended
+#               mode's login nodes are assumed alike), so its readiness is the client's.
+check_slurm() {
+  local what label hint out state
+  local -a probe
+  case $NODE_ROLE in
+    controller) what="slurmctld is not active on this node" probe=(unit_state slurmctld)
+      label="systemctl is-active slurmctld" hint="see \`journalctl -u slurmctld\` on this node" ;;
+    login) what="slurmctld does not answer from this login node" probe=(slurm_ping)
+      label="scontrol ping" hint="see the controller's status file and \`journalctl -u slurmctld\` there" ;;
+    *) what="slurmd is not active on this node" probe=(unit_state slurmd)
+      label="systemctl is-active slurmd" hint="see \`journalctl -u slurmd\` on this node" ;;
+  esac
+  local wait_s=${LIFECYCLE_SLURM_WAIT_S:-300} poll_s=${LIFECYCLE_SLURM_POLL_S:-5}
+  local deadline=$((SECONDS + wait_s)) remaining
+  until out=$("${probe[@]}" 2>&1); do
+    state=$(printf '%s\n' "$out" | head -n 1)
+    remaining=$((deadline - SECONDS))
+    if ((remaining <= 0)); then
+      die "$what after ${wait_s}s ($label: ${state:-no answer}); HyperPod starts Slurm in Extended mode (the group's SlurmConfig), not this script: $hint"
+    fi
+    log "waiting for Slurm ($label: ${state:-no answer}; ${remaining}s left)"
+    sleep $((remaining < poll_s ? remaining : poll_s))
+  done
+  log "Slurm is up here ($label: $(printf '%s\n' "$out" | head -n 1))"
+  case $NODE_ROLE in
+    controller) details+=("slurm=slurmctld") ;;
+    login) details+=("slurm=slurmctld-reachable") ;;
+    *) details+=("slurm=slurmd") ;;
+  esac
+}
+
 check_fsx_writable
 case $NODE_ROLE in
   gpu)
@@ -57,6 +102,7 @@ case $NODE_ROLE in
     check_env "${ENV_NEURON_DIR:?}" torch torch_xla
     ;;
 esac
+check_slurm
 
 status_file=$(node_status_file)
 printf '%s READY node=%s group=%s role=%s ip=%s package=%s %s\n' \

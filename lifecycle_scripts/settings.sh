@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Step "settings": read platform-settings.json (written by the cluster stack next to
-# on_create.sh) and validate it once, into $STATE_DIR/settings.env for the other steps.
+# on_init_complete.sh) and validate it once, into $STATE_DIR/settings.env for the other steps.
 #
 # JSON is parsed with the AMI's python3 (present on every HyperPod AMI; jq is not), and
 # written out with shlex.quote, so the file is safe to source whatever the values hold.
@@ -69,6 +69,53 @@ fsx_mount = abspath("fsx_mount", get("fsx_mount"))
 env_gpu = abspath("envs.gpu", envs["gpu"])
 env_neuron = abspath("envs.neuron", envs["neuron"])
 
+# Cluster users (cdk context clusterUsers / clusterGroup; the stack validates them at synth,
+# this is the node's own check before useradd sees them). Names: what Debian's useradd
+# accepts by default (NAME_REGEX, useradd(8)), at most 32 characters. IDs: the range
+# login.defs(5) gives regular accounts on Debian/Ubuntu (UID_MIN 1000 .. UID_MAX 60000;
+# 60000-65535 are reserved, 65534 is nobody).
+NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+
+def posix_id(key, value):
+    if not isinstance(value, int) or isinstance(value, bool) or not 1000 <= value <= 59999:
+        fail(f"key '{key}' must be an integer in 1000..59999 (regular accounts), got {value!r}")
+    return value
+
+def posix_name(key, value):
+    if not isinstance(value, str) or not NAME.fullmatch(value):
+        fail(f"key '{key}' must be a POSIX user/group name ([a-z_][a-z0-9_-]*, at most 32), got {value!r}")
+    return value
+
+group = get("cluster_group", dict)
+group_name = posix_name("cluster_group.name", group.get("name"))
+group_gid = posix_id("cluster_group.gid", group.get("gid"))
+users = s.get("cluster_users")
+if not isinstance(users, list) or not users:
+    fail(f"key 'cluster_users' must be a non-empty list of {{name, uid}}, got {users!r}")
+seen_names, seen_uids, user_specs = set(), set(), []
+for i, user in enumerate(users):
+    if not isinstance(user, dict):
+        fail(f"cluster_users[{i}] must be an object {{name, uid}}, got {user!r}")
+    name = posix_name(f"cluster_users[{i}].name", user.get("name"))
+    uid = posix_id(f"cluster_users[{i}].uid", user.get("uid"))
+    if name in seen_names:
+        fail(f"cluster_users[{i}]: user name '{name}' appears twice")
+    if uid in seen_uids:
+        fail(f"cluster_users[{i}]: UID {uid} appears twice")
+    seen_names.add(name)
+    seen_uids.add(uid)
+    user_specs.append(f"{name}:{uid}")
+home_root = abspath("home_root", get("home_root"))
+if not home_root.startswith(fsx_mount.rstrip("/") + "/"):
+    # Homes must be shared: the per-user SSH key pair is generated once, on FSx.
+    fail(f"key 'home_root' must be under fsx_mount {fsx_mount}, got {home_root!r}")
+lifecycle_bucket = get("lifecycle_bucket")
+if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", lifecycle_bucket):
+    fail(f"key 'lifecycle_bucket' is not an S3 bucket name, got {lifecycle_bucket!r}")
+accounting = s.get("slurm_accounting")
+if not isinstance(accounting, bool):
+    fail(f"key 'slurm_accounting' must be true or false, got {accounting!r}")
+
 values = {
     "CFG_PROJECT": get("project"),
     "CFG_CLUSTER_NAME": get("cluster_name"),
@@ -76,14 +123,21 @@ values = {
     "CFG_DATA_BUCKET": get("data_bucket"),
     "CFG_ARTEFACTS_BUCKET": get("artefacts_bucket"),
     "CFG_PACKAGE_HASH": package_hash,
+    "CFG_LIFECYCLE_BUCKET": lifecycle_bucket,
     "CFG_NEURON_PIP_INDEX": get("neuron_pip_index"),
     "CFG_RDZV_PORT": str(port),
     "CFG_FSX_MOUNT": fsx_mount,
     "CFG_GROUPS_JSON": json.dumps(groups, sort_keys=True),
+    "CFG_CLUSTER_GROUP": group_name,
+    "CFG_CLUSTER_GID": str(group_gid),
+    "CFG_CLUSTER_USERS": " ".join(user_specs),
+    "CFG_HOME_ROOT": home_root,
+    "CFG_SLURM_ACCOUNTING": "true" if accounting else "false",
     # Paths as this node sees them (PLATFORM_ROOT + the cluster path).
     "FSX": root + fsx_mount,
     "ENV_GPU_DIR": root + env_gpu,
     "ENV_NEURON_DIR": root + env_neuron,
+    "HOME_ROOT_DIR": root + home_root,
 }
 for key, value in values.items():
     print(f"export {key}={shlex.quote(value)}")
@@ -97,3 +151,4 @@ printf '%s\n' "$result" | write_atomically "$out" 0644
 # shellcheck source=/dev/null
 source "$out"
 log "project=$CFG_PROJECT cluster=$CFG_CLUSTER_NAME package=$CFG_PACKAGE_HASH fsx=$CFG_FSX_MOUNT"
+log "cluster group $CFG_CLUSTER_GROUP ($CFG_CLUSTER_GID), users: $CFG_CLUSTER_USERS; homes under $CFG_HOME_ROOT"

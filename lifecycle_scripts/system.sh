@@ -30,6 +30,21 @@ has_tool() {
   PATH="$PATH:/opt/aws/neuron/bin" command -v "$1" >/dev/null 2>&1
 }
 
+# unit_state UNIT: the systemd unit's state on stdout (active, activating, inactive, failed,
+# ...); exit status 0 only when it is active (systemctl(1), is-active). Only ever asked:
+# the lifecycle never starts, stops or restarts a unit HyperPod owns (the Slurm daemons).
+unit_state() {
+  systemctl is-active "$1"
+}
+
+# slurm_ping: does slurmctld answer this node's Slurm client? `scontrol ping` prints
+# "Slurmctld(primary) at <host> is UP|DOWN" and exits non-zero when it is down. HyperPod
+# installs Slurm under /opt/slurm (LifecycleScripts/base-config/start_slurm.sh edits
+# /opt/slurm/etc/slurm.conf), which may not be on a lifecycle script's PATH.
+slurm_ping() {
+  PATH="$PATH:/opt/slurm/bin" scontrol ping
+}
+
 # apt_install PACKAGE...: install Debian packages (only used when the AMI lacks one).
 apt_install() {
   DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=300 update \

@@ -1,15 +1,20 @@
 """Helpers for tests/lifecycle (named uniquely: several test dirs have a conftest.py).
 
-A pretend HyperPod cluster on this machine for running lifecycle_scripts/on_create.sh for real.
+A pretend HyperPod cluster on this machine for running lifecycle_scripts/on_init_complete.sh
+for real.
 
 Each node gets its own root filesystem (a temp dir passed as PLATFORM_ROOT) whose `fsx`
 is a symlink to one shared directory, the way every node sees the same FSx for Lustre.
 What HyperPod puts on a node is rebuilt here: the downloaded lifecycle prefix (a copy of
-lifecycle_scripts/ + platform-settings.json + a small training/ package) and
-/opt/ml/config/resource_config.json.
+lifecycle_scripts/ + platform-settings.json + a small training/ package),
+/opt/ml/config/resource_config.json, the AMI's local account files (/etc/passwd, group,
+shadow, gshadow; the users step edits them with the real useradd/groupadd --prefix) and the
+node's Slurm daemon, started by HyperPod before and while OnInitComplete runs (a marker the
+systemctl stand-in reads).
 
 Commands that only work on a real node are replaced by stand-ins first on PATH (see
-STANDINS); everything else (bash, python3 -m venv, pip, flock, cp, mv) is the real thing.
+STANDINS); everything else (bash, python3 -m venv, pip, flock, cp, mv, useradd, groupadd, usermod,
+ssh-keygen) is the real thing.
 The training package's requirements name local stand-in wheels called `torch` and
 `torch_xla`, so the env build runs real venv + pip offline (PIP_NO_INDEX) in seconds and the
 readiness check's production `import torch` / `import torch, torch_xla` imports them.
@@ -22,6 +27,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +49,37 @@ STANDINS = {
     # apt-get on a node whose repositories lack the package: `update` works, `install` fails
     # (tests never install anything on this machine).
     "apt-get": 'case " $* " in *" install "*) echo "E: Unable to locate package (stand-in)" >&2; exit 100;; esac',
+    # `systemctl is-active UNIT` on a node: prints the unit's state, exit 0 only when it is
+    # "active", else 3 for inactive (systemctl(1)). Here: active once the test (standing for
+    # HyperPod) created $PLATFORM_ROOT/run/standin-units/UNIT.active. Every other verb fails:
+    # the lifecycle must never start, stop or restart the units HyperPod owns.
+    "systemctl": ('if [ "$1" = is-active ]; then\n  for unit; do :; done\n'
+                  '  if [ -f "$PLATFORM_ROOT/run/standin-units/$unit.active" ]; then echo active; exit 0; fi\n'
+                  '  echo inactive; exit 3\nfi\n'
+                  'echo "systemctl $1: refused by the stand-in (HyperPod owns the node\'s units)" >&2; exit 1'),
+    # `scontrol ping` on a login node: "Slurmctld(primary) at <host> is UP", exit 0, or "... is
+    # DOWN" and exit 1 (what Debian's scontrol 22.05 does against a controller that is not
+    # there). Here: UP once the test created $PLATFORM_ROOT/run/standin-units/slurmctld-reachable.active.
+    "scontrol": ('if [ "$1" = ping ]; then\n'
+                 '  if [ -f "$PLATFORM_ROOT/run/standin-units/slurmctld-reachable.active" ]; then\n'
+                 '    echo "Slurmctld(primary) at controller-1 is UP"; exit 0\n  fi\n'
+                 '  echo "Slurmctld(primary) at controller-1 is DOWN"; exit 1\nfi\n'
+                 'echo "scontrol $1: not stood in" >&2; exit 1'),
 }
+
+# What HyperPod brings up on each role (Extended mode): the controller's slurmctld, the compute
+# nodes' slurmd, and on the login node a Slurm client that reaches slurmctld.
+SLURM_DAEMON = {"controller": "slurmctld", "login": "slurmctld-reachable", "gpu": "slurmd", "trn": "slurmd"}
+# The AMI's local accounts before the users step (Ubuntu's default user included).
+BASE_ACCOUNTS = {
+    "passwd": "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n"
+              "ubuntu:x:1000:1000:Ubuntu:/home/ubuntu:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+    "group": "root:x:0:\ndaemon:x:1:\nubuntu:x:1000:\nnogroup:x:65534:\n",
+    "shadow": "root:*:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\nubuntu:!:19000:0:99999:7:::\nnobody:*:19000:0:99999:7:::\n",
+    "gshadow": "root:*::\ndaemon:*::\nubuntu:!::\nnogroup:*::\n",
+}
+USERS = {"researcher": 2001, "analyst": 2002}
+GROUP = ("sana", 2000)
 
 ROLES = {"controller": "controller", "login": "login", "gpu": "gpu", "trn": "trn"}
 NODES = {  # instance name -> (group, CustomerIpAddress)
@@ -69,6 +105,10 @@ def settings(package_hash: str) -> dict:
         "neuron_pip_index": "https://pip.repos.neuron.amazonaws.com",
         "rendezvous_port": 29500,
         "envs": {"gpu": "/fsx/envs/gpu", "neuron": "/fsx/envs/neuron"},
+        "cluster_group": {"name": GROUP[0], "gid": GROUP[1]},
+        "cluster_users": [{"name": name, "uid": uid} for name, uid in USERS.items()],
+        "home_root": "/fsx/home",
+        "slurm_accounting": False,
     }
 
 
@@ -82,6 +122,20 @@ def resource_config() -> dict:
     return {"ClusterConfig": {"ClusterName": "sana-test"},
             "InstanceGroups": [{"Name": g, "InstanceType": "ml.standin", "Instances": inst}
                                for g, inst in groups.items()]}
+
+
+def make_standins(bin_dir: Path) -> Path:
+    """Write the STANDINS into ``bin_dir`` (put first on PATH), plus this interpreter as the
+    node's python3 / python3.11 (directly, not through a version-manager shim: ~50 ms a call)."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, body in STANDINS.items():
+        path = bin_dir / name
+        path.write_text(f'#!/bin/sh\n[ -n "$STANDIN_LOG" ] && echo "{name} $*" >>"$STANDIN_LOG"\n{body}\n')
+        path.chmod(0o755)
+    real_python = Path(os.path.realpath(sys.executable))
+    for name in ("python3", "python3.11"):
+        (bin_dir / name).symlink_to(real_python)
+    return bin_dir
 
 
 def build_wheel(dist: Path, name: str) -> Path:
@@ -111,6 +165,17 @@ def make_bundle(dest: Path, wheels: dict[str, Path], *, package_hash: str,
     return dest
 
 
+def upload_bundle(bundle: Path, endpoint: str, bucket: str, prefix: str) -> None:
+    """Put a bundle under s3://bucket/prefix the way the stack's BucketDeployments lay it out
+    (lifecycle/<hash>/: the scripts, platform-settings.json, training/)."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    for path in sorted(bundle.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            s3.upload_file(str(path), bucket, prefix + path.relative_to(bundle).as_posix())
+
+
 @dataclass
 class Cluster:
     """Nodes sharing one FSx directory; each node has its own PLATFORM_ROOT."""
@@ -126,15 +191,33 @@ class Cluster:
     def root(self, node: str) -> Path:
         return self.base / "nodes" / node
 
-    def prepare(self, node: str, *, fsx: bool = True) -> Path:
-        """The node's root filesystem: FSx (if mounted) and HyperPod's resource config."""
+    def prepare(self, node: str, *, fsx: bool = True, slurm: bool = True) -> Path:
+        """The node's root filesystem: FSx (if mounted), HyperPod's resource config, the AMI's
+        account files (kept across re-runs) and, if `slurm`, the role's running Slurm daemon."""
         root = self.root(node)
         (root / "opt/ml/config").mkdir(parents=True, exist_ok=True)
         (root / "opt/ml/config/resource_config.json").write_text(json.dumps(resource_config()))
+        (root / "etc").mkdir(exist_ok=True)
+        for name, text in BASE_ACCOUNTS.items():
+            if not (root / "etc" / name).exists():
+                (root / "etc" / name).write_text(text)
+        if slurm:
+            self.start_daemon(node)
         self.fsx.mkdir(exist_ok=True)
         if fsx and not (root / "fsx").exists():
             (root / "fsx").symlink_to(self.fsx)
         return root
+
+    def start_daemon(self, node: str) -> None:
+        """What HyperPod does in Extended mode: the role's Slurm daemon runs (or, on the login
+        node, slurmctld answers)."""
+        units = self.root(node) / "run/standin-units"
+        units.mkdir(parents=True, exist_ok=True)
+        (units / f"{SLURM_DAEMON[NODES.get(node, ('gpu', ''))[0]]}.active").touch()
+
+    def accounts(self, node: str, name: str = "passwd") -> list[list[str]]:
+        """The node's /etc/passwd (or group) entries, split into fields."""
+        return [line.split(":") for line in (self.root(node) / "etc" / name).read_text().splitlines()]
 
     def env(self, node: str, **overrides: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
@@ -147,17 +230,20 @@ class Cluster:
             # pip offline with no user/global pip config: the stand-in wheels are local files.
             PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, PIP_NO_CACHE_DIR="1",
             LIFECYCLE_FSX_WAIT_S="60", LIFECYCLE_FSX_POLL_S="1", LIFECYCLE_ENV_LOCK_TIMEOUT_S="180",
+            LIFECYCLE_SLURM_WAIT_S="30", LIFECYCLE_SLURM_POLL_S="1",
+            # The production wait for CloudWatch after a failure (60 s) has its own test.
+            LIFECYCLE_FAILURE_LOG_WAIT_S="0",
         )
         env.update(overrides)
         return env
 
-    def start(self, node: str, *, fsx: bool = True, **overrides: str) -> subprocess.Popen:
-        self.prepare(node, fsx=fsx)
-        return subprocess.Popen(["bash", str(self.bundle / "on_create.sh")], env=self.env(node, **overrides),
+    def start(self, node: str, *, fsx: bool = True, slurm: bool = True, **overrides: str) -> subprocess.Popen:
+        self.prepare(node, fsx=fsx, slurm=slurm)
+        return subprocess.Popen(["bash", str(self.bundle / "on_init_complete.sh")], env=self.env(node, **overrides),
                                 cwd=self.bundle, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def run(self, node: str, *, fsx: bool = True, **overrides: str) -> subprocess.CompletedProcess:
-        proc = self.start(node, fsx=fsx, **overrides)
+    def run(self, node: str, *, fsx: bool = True, slurm: bool = True, **overrides: str) -> subprocess.CompletedProcess:
+        proc = self.start(node, fsx=fsx, slurm=slurm, **overrides)
         out, err = proc.communicate(timeout=240)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

@@ -1,4 +1,4 @@
-"""lifecycle_scripts/on_create.sh run for real on a pretend cluster (see conftest.py).
+"""lifecycle_scripts/on_init_complete.sh run for real on a pretend cluster (see conftest.py).
 
 Six nodes (controller, login, 2 gpu, 2 trn) boot AT THE SAME TIME on one shared FSx: each
 env must be built exactly once and every node must end ready. Then the same cluster is
@@ -15,18 +15,18 @@ import time
 from pathlib import Path
 
 import pytest
-from lifecycle_cluster import LOG_LINE, NODES, Cluster, make_bundle
+from lifecycle_cluster import GROUP, LOG_LINE, NODES, SLURM_DAEMON, USERS, Cluster, make_bundle
 
 STEPS = {
-    "controller": ["settings", "identity", "fsx", "dirs", "package", "profile", "ready"],
-    "login": ["settings", "identity", "fsx", "dirs", "package", "profile", "env-gpu", "ready"],
-    "gpu": ["settings", "identity", "fsx", "dirs", "package", "profile", "env-gpu", "ready"],
-    "trn": ["settings", "identity", "fsx", "dirs", "package", "profile", "env-neuron", "ready"],
+    "controller": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "ready"],
+    "login": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-gpu", "ready"],
+    "gpu": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-gpu", "ready"],
+    "trn": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-neuron", "ready"],
 }
 CONTRACT_VARS = ["SANA_ROLE", "SANA_FSX", "SANA_PLATFORM_DIR", "SANA_ENV_GPU", "SANA_ENV_NEURON",
                  "SANA_CHECKPOINT_ROOT", "SANA_LOG_ROOT", "SANA_DATA_ROOT", "SANA_RDZV_PORT",
                  "SANA_ARTEFACTS_BUCKET", "SANA_DATA_BUCKET"]
-FAILED = re.compile(r"^\S+Z \[on_create\] FAILED step=([\w-]+): (.+)$")
+FAILED = re.compile(r"^\S+Z \[on_init_complete\] FAILED step=([\w-]+): (.+)$")
 
 
 def role(node: str) -> str:
@@ -78,7 +78,7 @@ def test_every_node_ends_ready(cluster):
     for node, result in results.items():
         assert result.returncode == 0, f"{node}:\n{result.stdout[-4000:]}\n{result.stderr}"
         last = result.stdout.strip().splitlines()[-1]
-        assert re.search(rf"\[on_create\] READY node={node} role={role(node)} in \d+s$", last), last
+        assert re.search(rf"\[on_init_complete\] READY node={node} role={role(node)} in \d+s$", last), last
         assert "FAILED" not in result.stdout
         assert result.stderr == ""  # everything goes to stdout (CloudWatch) and the log
 
@@ -93,7 +93,7 @@ def test_concurrent_boot_builds_each_env_exactly_once(cluster):
     assert len(waited) == 2, waited
     # Controller and login build nothing and never wait for the build lock; the login node
     # only makes sure it has the base Python the GPU env links to.
-    assert "env" not in " ".join(re.findall(r"\[on_create\] step (\S+)", c.log("controller-1")))
+    assert "env" not in " ".join(re.findall(r"\[on_init_complete\] step (\S+)", c.log("controller-1")))
     login = c.log("login-1")
     assert "base Python: " in login and "building env" not in login and "build lock" not in login
 
@@ -105,7 +105,7 @@ def test_log_has_every_step_in_order_with_timestamps(cluster):
         assert log == results[node].stdout  # the log file holds exactly what went to stdout
         ours = [LOG_LINE.match(line) for line in log.splitlines() if LOG_LINE.match(line)]
         started = [m.group(3).split()[1].rstrip(":") for m in ours
-                   if m.group(2) == "on_create" and m.group(3).endswith(": start")]
+                   if m.group(2) == "on_init_complete" and m.group(3).endswith(": start")]
         assert started == STEPS[role(node)], node
         done = [m for m in ours if re.fullmatch(r"step [\w-]+: done in \d+s", m.group(3))]
         assert len(done) == len(STEPS[role(node)])
@@ -150,11 +150,15 @@ def test_region_in_the_profile_yields_to_an_explicit_one(cluster):
     assert out.strip() == "us-west-2"
 
 
-def test_shared_directories_exist_with_their_modes(cluster):
+def test_shared_directories_exist_with_their_owners_and_modes(cluster):
     c, _, _ = cluster
-    modes = {"envs": 0o755, "platform": 0o755, "logs/provision": 0o755, "checkpoints": 0o1777,
-             "logs": 0o1777, "data": 0o1777, "cache": 0o1777, "cache/neuron": 0o1777}
-    assert {d: (c.fsx / d).stat().st_mode & 0o7777 for d in modes} == modes
+    gid = GROUP[1]
+    expected = {"envs": (0, 0, 0o755), "platform": (0, 0, 0o755), "logs/provision": (0, 0, 0o755),
+                "data": (0, gid, 0o2775), "checkpoints": (0, gid, 0o2775), "logs": (0, gid, 0o2775),
+                "logs/slurm": (0, gid, 0o2775), "cache": (0, 0, 0o1777), "cache/neuron": (0, 0, 0o1777),
+                "home": (0, 0, 0o755)}
+    got = {d: ((st := (c.fsx / d).stat()).st_uid, st.st_gid, st.st_mode & 0o7777) for d in expected}
+    assert got == expected
 
 
 def test_package_installed_under_its_hash_with_a_current_link(cluster):
@@ -193,9 +197,10 @@ def test_status_file_per_node_lists_ready(cluster):
     for f in files:
         (line,) = f.read_text().splitlines()
         group, ip = NODES[f.stem]
-        extra = {"gpu": " gpu=ok env=", "trn": " neuron=ok env="}.get(group, "")
+        extra = {"gpu": r" gpu=ok env=\S+", "trn": r" neuron=ok env=\S+"}.get(group, "")
+        daemon = SLURM_DAEMON[group]
         assert re.fullmatch(rf"\S+Z READY node={f.stem} group={group} role={group} ip={ip} package=pkg0001 "
-                            rf"fsx=ok{extra}\S*", line), line
+                            rf"fsx=ok{extra} slurm={daemon}", line), line
 
 
 def test_accelerator_nodes_ask_their_driver(cluster):
@@ -208,17 +213,33 @@ def test_accelerator_nodes_ask_their_driver(cluster):
     assert "neuron-ls" in calls("trn-1") and "nvidia-smi" not in calls("trn-1")
     assert "nvidia-smi" not in calls("controller-1") and "neuron-ls" not in calls("controller-1")
     assert "apt-get" not in "".join(calls(n) for n in NODES)  # these AMIs have Python >= 3.11 + venv
+    # Each node only ASKS about its own part of Slurm; nothing starts or restarts a daemon.
+    for node in NODES:
+        slurm = {line for line in calls(node).splitlines() if line.startswith(("systemctl ", "scontrol "))}
+        expected = "scontrol ping" if role(node) == "login" else f"systemctl is-active {SLURM_DAEMON[role(node)]}"
+        assert slurm == {expected}, (node, slurm)
+
+
+def test_no_step_writes_slurm_configuration(cluster):
+    """Extended mode: HyperPod owns slurm.conf and its siblings; the lifecycle writes none."""
+    c, _, _ = cluster
+    for node in NODES:
+        written = [p for p in c.root(node).rglob("*") if "slurm" in p.name and p.suffix == ".conf"]
+        assert written == [] and not (c.root(node) / "etc/slurm").exists(), node
 
 
 def test_rerun_is_idempotent(cluster):
-    """Node replacement runs on_create.sh again: same result, no second build."""
+    """Node replacement runs on_init_complete.sh again: same result, no second build, same users."""
     c, _, _ = cluster
 
     def snapshot(node: str) -> dict:
         return {"profile": (c.root(node) / "etc/profile.d/sana-platform.sh").read_bytes(),
                 "envs": {p.name: os.readlink(p) for p in (c.fsx / "envs").iterdir() if p.is_symlink()},
                 "markers": {p.parent.name: p.read_text() for p in ready_markers(c.fsx)},
-                "package": os.readlink(c.fsx / "platform/current")}
+                "package": os.readlink(c.fsx / "platform/current"),
+                "accounts": [(c.root(node) / "etc" / f).read_bytes() for f in ("passwd", "group", "shadow")],
+                "homes": {p.relative_to(c.fsx).as_posix(): p.read_bytes() for p in (c.fsx / "home").rglob("*")
+                          if p.is_file() and ".locks" not in p.parts}}
     before = {node: snapshot(node) for node in ("controller-1", "gpu-1", "trn-2")}
     builds = c.builds()
     for node in before:
@@ -227,11 +248,97 @@ def test_rerun_is_idempotent(cluster):
         assert "is already built and ready" in result.stdout or role(node) == "controller"
         assert snapshot(node) == before[node]
     # HyperPod may start the entry with sh: it re-executes itself under bash.
-    proc = subprocess.run(["sh", str(c.bundle / "on_create.sh")], env=c.env("login-1"), cwd=c.bundle,
+    proc = subprocess.run(["sh", str(c.bundle / "on_init_complete.sh")], env=c.env("login-1"), cwd=c.bundle,
                           capture_output=True, text=True)
     assert proc.returncode == 0 and "READY node=login-1" in proc.stdout, proc.stdout[-2000:]
     assert c.builds() == builds
     assert len(list((c.fsx / "envs").glob("gpu-*"))) == 1
+
+
+def test_cluster_users_are_the_same_on_every_node(cluster):
+    c, _, _ = cluster
+    group, gid = GROUP
+    for node in NODES:
+        passwd = {e[0]: e for e in c.accounts(node)}
+        for name, uid in USERS.items():
+            # Fixed UID, the cluster group as primary group, home on FSx, a login shell.
+            assert passwd[name] == [name, "x", str(uid), str(gid), "", f"/fsx/home/{name}", "/bin/bash"], node
+        groups = {e[0]: e for e in c.accounts(node, "group")}
+        assert groups[group][:3] == [group, "x", str(gid)]
+        assert passwd["ubuntu"][2] == "1000"  # the AMI's own accounts are untouched
+        shadow = {line.split(":")[0] for line in (c.root(node) / "etc/shadow").read_text().splitlines()}
+        assert set(USERS) <= shadow  # the real useradd wrote every file it owns
+
+
+def test_each_user_has_one_home_and_key_pair_on_fsx(cluster):
+    c, _, _ = cluster
+    gid = GROUP[1]
+    logs = "".join(c.log(node) for node in NODES)
+    for name, uid in USERS.items():
+        home = c.fsx / "home" / name
+        st = home.stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (uid, gid, 0o700)
+        # Six nodes raced for it; the per-user flock let exactly one create it and its keys.
+        assert len(re.findall(rf"created home \S+/fsx/home/{name} .* with SSH key pair", logs)) == 1, name
+        ssh = home / ".ssh"
+        key, public, auth = ssh / "id_ed25519", ssh / "id_ed25519.pub", ssh / "authorized_keys"
+        assert {p.name: ((st := p.stat()).st_uid, st.st_gid) for p in (ssh, key, public, auth)} == \
+            {p.name: (uid, gid) for p in (ssh, key, public, auth)}
+        assert [ssh.stat().st_mode & 0o777, key.stat().st_mode & 0o777, auth.stat().st_mode & 0o777] == \
+            [0o700, 0o600, 0o600]
+        # sshd accepts the user with this pair: the private key derives the authorized public key.
+        derived = subprocess.run(["ssh-keygen", "-y", "-f", str(key)], capture_output=True, text=True, check=True)
+        assert auth.read_text().splitlines() == [public.read_text().strip()]
+        assert derived.stdout.split()[:2] == public.read_text().split()[:2]
+        assert not list((c.fsx / "home").glob(f".{name}.incoming.*"))
+
+
+def test_ready_waits_for_the_slurm_daemon_hyperpod_is_still_starting(make_cluster):
+    """Extended mode: slurmd may come up while OnInitComplete runs; READY waits for it."""
+    c = make_cluster()
+    proc = c.start("gpu-1", slurm=False, LIFECYCLE_SLURM_WAIT_S="60")
+    log = c.root("gpu-1") / "var/log/provision/provisioning.log"
+    deadline = time.monotonic() + 120
+    while "waiting for Slurm" not in (log.read_text() if log.exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, "never waited for slurmd"
+        time.sleep(0.2)
+    c.start_daemon("gpu-1")  # HyperPod's start of slurmd completes
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "waiting for Slurm (systemctl is-active slurmd: inactive;" in out
+    assert "Slurm is up here (systemctl is-active slurmd: active)" in out
+    assert "[on_init_complete] READY node=gpu-1 role=gpu in " in out.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("node,expected", [
+    ("controller-1", "slurmctld is not active on this node after 2s (systemctl is-active slurmctld: inactive); "
+                     "HyperPod starts Slurm in Extended mode (the group's SlurmConfig), not this script: "
+                     "see `journalctl -u slurmctld` on this node"),
+    ("gpu-1", "slurmd is not active on this node after 2s (systemctl is-active slurmd: inactive); "
+              "HyperPod starts Slurm in Extended mode (the group's SlurmConfig), not this script: "
+              "see `journalctl -u slurmd` on this node"),
+    ("login-1", "slurmctld does not answer from this login node after 2s (scontrol ping: Slurmctld(primary) at "
+                "controller-1 is DOWN); HyperPod starts Slurm in Extended mode (the group's SlurmConfig), not this "
+                "script: see the controller's status file and `journalctl -u slurmctld` there"),
+])
+def test_slurm_not_up_fails_the_ready_step(make_cluster, node, expected):
+    c = make_cluster()
+    result = c.run(node, slurm=False, LIFECYCLE_SLURM_WAIT_S="2")
+    step, cause = failure(result)
+    assert (step, cause) == ("ready", expected)
+    (status,) = (c.fsx / f"logs/provision/{node}.status").read_text().splitlines()
+    assert f" FAILED node={node} " in status and " step=ready cause=" in status
+
+
+def test_failure_waits_for_log_shipping_before_exiting(make_cluster):
+    """As HyperPod's sample entry point does: the FAILED line, then a bounded wait, then exit 1."""
+    c = make_cluster()
+    started = time.monotonic()
+    result = c.run("gpu-1", fsx=False, LIFECYCLE_FSX_WAIT_S="0", LIFECYCLE_FAILURE_LOG_WAIT_S="3")
+    elapsed = time.monotonic() - started
+    step, _ = failure(result)  # still ONE FAILED line, and the last line
+    assert step == "fsx"
+    assert 3 <= elapsed < 30, elapsed
 
 
 # ---------------------------------------------------------------- failures, one line each

@@ -1,0 +1,90 @@
+"""training/slurm/rollout.sbatch submitted to the real Slurm daemons on localhost.
+
+The node the job lands on is a node of the lifecycle tests' pretend cluster (provisioned for
+real by on_init_complete.sh under a PLATFORM_ROOT, tests/lifecycle/lifecycle_cluster.py), and
+the package comes from the loopback S3, so the job runs exactly what an operator's
+`sudo sbatch --partition=... rollout.sbatch <hash>` runs: rollout.sh from the current package on
+FSx. One job per partition (gpu, then trn): the first leaves `current` alone (PENDING), the
+second flips it; a job for a missing prefix ends FAILED with one line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lifecycle"))
+from lifecycle_cluster import Cluster, build_wheel, make_bundle, make_standins, upload_bundle  # noqa: E402
+
+if TYPE_CHECKING:  # conftest modules are not importable by name (several share it)
+    from tests.slurm.conftest import SlurmCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+SBATCH = REPO / "training/slurm/rollout.sbatch"
+JOB_TIMEOUT = 300
+
+
+@pytest.fixture
+def pretend(tmp_path: Path) -> tuple[Cluster, dict[str, Path]]:
+    """gpu-1 and trn-1 of a pretend cluster, provisioned with pkg0001; and its stand-in wheels."""
+    standins = make_standins(tmp_path / "standin-bin")
+    wheels = {name: build_wheel(tmp_path, name) for name in ("torch", "torch_xla")}
+    c = Cluster(tmp_path / "cluster", make_bundle(tmp_path / "cluster/bundle", wheels, package_hash="pkg0001"),
+                standins)
+    procs = [c.start(node) for node in ("gpu-1", "trn-1")]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out[-3000:]
+    return c, wheels
+
+
+def submit(slurm: SlurmCluster, c: Cluster, node: str, partition: str, target: str, out_dir: Path) -> tuple[dict, str]:
+    """sudo sbatch --partition=P rollout.sbatch TARGET, with the job landing on pretend NODE."""
+    env = c.env(node, ROLLOUT_PYTHON=sys.executable, SANA_FSX=str(c.root(node) / "fsx"))
+    # Submitted from the current package on FSx, as the runbook says (root's job: cluster.sbatch default).
+    job_id = slurm.sbatch(c.fsx / "platform/current/training/slurm/rollout.sbatch", target,
+                          options=(f"--partition={partition}", f"--output={out_dir}/%x-%j.out"),
+                          env=env, cwd=out_dir)
+    info = slurm.wait(job_id, timeout=JOB_TIMEOUT)
+    return info, (out_dir / f"sana-rollout-{job_id}.out").read_text()
+
+
+def test_rollout_jobs_on_both_partitions_flip_current(slurm_cluster: SlurmCluster, pretend, s3_endpoint,
+                                                      s3_bucket, tmp_path: Path):
+    c, wheels = pretend
+    # The package on FSx carries this repository's job script (the stand-in package has none).
+    (c.fsx / "platform/pkg0001/training/slurm").mkdir(parents=True, exist_ok=True)
+    (c.fsx / "platform/pkg0001/training/slurm/rollout.sbatch").write_bytes(SBATCH.read_bytes())
+    new = make_bundle(tmp_path / "bundle-pkg0002", wheels, package_hash="pkg0002",
+                      gpu_requirements=f"# pkg0002\n{wheels['torch']}\n")
+    (new / "training/slurm").mkdir()
+    (new / "training/slurm/rollout.sbatch").write_bytes(SBATCH.read_bytes())
+    upload_bundle(new, s3_endpoint, s3_bucket, "lifecycle/pkg0002/")
+    uri = f"s3://{s3_bucket}/lifecycle/pkg0002/"
+    out_dir = tmp_path / "slurm-out"
+    out_dir.mkdir()
+
+    info, log = submit(slurm_cluster, c, "gpu-1", "gpu", uri, out_dir)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
+    assert "rollout.sbatch: job " in log and "(partition gpu)" in log
+    assert "[rollout] PENDING pkg0002" in log.strip().splitlines()[-1]
+    assert os.readlink(c.fsx / "platform/current") == "pkg0001"
+
+    info, log = submit(slurm_cluster, c, "trn-1", "trn", uri, out_dir)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
+    assert "[rollout] ROLLED OUT pkg0002: current -> pkg0002 (was pkg0001)" in log.strip().splitlines()[-1]
+    assert os.readlink(c.fsx / "platform/current") == "pkg0002"
+    assert (c.fsx / "platform/pkg0001/training/__init__.py").exists()  # never deleted
+
+    # A prefix nothing was uploaded under: the job fails, its output ends in the one line.
+    info, log = submit(slurm_cluster, c, "gpu-1", "gpu", f"s3://{s3_bucket}/lifecycle/nohash/", out_dir)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert f"[rollout] FAILED: s3://{s3_bucket}/lifecycle/nohash/ holds no objects" in last
+    assert os.readlink(c.fsx / "platform/current") == "pkg0002"
