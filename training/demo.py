@@ -160,6 +160,12 @@ def compare(demo: Demo) -> None:
     from training.bench import run_demo_comparison
 
     demo.where.update(run_demo_comparison(demo.path("compare"), features=demo.path("features")))
+    # The report always has the projection (training/projection.py): cost per million samples
+    # against MFU for the real presets on p5/trn1 list prices, with the break-even marked.
+    report_dir = demo.path("compare") / "report"
+    demo.where["projection + break-even chart (assumptions)"] = report_dir / "projection.png"
+    print(f"    projection: section 'Projection' of {report_dir / 'report.md'}, chart {report_dir / 'projection.png'}",
+          flush=True)
 
 
 #: The demo, in order. Append steps here (e.g. bench, report).

@@ -32,6 +32,12 @@ F = int(mlp_ratio*D), d = head_dim, the forward FLOPs are:
 
 For sana-600m-512 (L = 16*16, T = 300) this gives 0.316 TFLOP forward, 0.947 TFLOP per
 training sample.
+
+``real_text_tokens`` (keyword, default None) replaces T in the three text terms (caption
+projection, cross-attn k/v, cross-attn scores) by the mean real caption length: the useful
+FLOPs, without the caption padding the static-shape step still computes. Callers that pass
+nothing (the loop, the bench) get the padded count exactly as before; the projection
+(``training/projection.py``) passes the data's mean so its MFU counts useful work only.
 """
 
 from __future__ import annotations
@@ -61,7 +67,8 @@ _TIMESTEP_PROJ_DIM = 256
 
 
 def forward_flops_breakdown(model_kwargs: Mapping[str, Any], text_tokens: int,
-                            latent_hw: tuple[int, int]) -> dict[str, float]:
+                            latent_hw: tuple[int, int], *,
+                            real_text_tokens: float | None = None) -> dict[str, float]:
     """Forward FLOPs per sample, by component (see the module docstring for the formulas).
 
     Args:
@@ -69,6 +76,11 @@ def forward_flops_breakdown(model_kwargs: Mapping[str, Any], text_tokens: int,
             missing keys take diffusers' defaults.
         text_tokens: caption length the model sees (the padded ``max_text_tokens``).
         latent_hw: latent height and width (512 px with DC-AE f32 -> (16, 16)).
+        real_text_tokens: mean real (unpadded) caption length. Given, the text terms (caption
+            projection, cross-attention k/v and scores) count only real tokens: the *useful*
+            FLOPs, as MFU conventions count them (no padding). The device still computes the
+            padded length (static shapes), so step time follows the padded count; the gap is
+            the padding waste. None (default): every padded token counts, as before.
     """
     c = {**_SANA_DEFAULTS, **dict(model_kwargs)}
     h, w = (int(v) for v in latent_hw)
@@ -76,7 +88,11 @@ def forward_flops_breakdown(model_kwargs: Mapping[str, Any], text_tokens: int,
     if h % p or w % p:
         raise ValueError(f"latent_hw {latent_hw} is not divisible by patch_size {p}")
     tokens = (h // p) * (w // p)
-    t = int(text_tokens)
+    t: float = int(text_tokens)
+    if real_text_tokens is not None:
+        if not 0 < real_text_tokens <= t:
+            raise ValueError(f"real_text_tokens {real_text_tokens} must be in (0, text_tokens={t}]")
+        t = float(real_text_tokens)
     d_head = int(c["attention_head_dim"])
     dim = int(c["num_attention_heads"]) * d_head
     c_in = int(c["in_channels"])
@@ -108,19 +124,20 @@ def forward_flops_breakdown(model_kwargs: Mapping[str, Any], text_tokens: int,
 
 
 def forward_flops_per_sample(model_kwargs: Mapping[str, Any], text_tokens: int,
-                             latent_hw: tuple[int, int]) -> float:
+                             latent_hw: tuple[int, int], *, real_text_tokens: float | None = None) -> float:
     """Forward FLOPs for one sample (sum of ``forward_flops_breakdown``)."""
-    return float(sum(forward_flops_breakdown(model_kwargs, text_tokens, latent_hw).values()))
+    return float(sum(forward_flops_breakdown(model_kwargs, text_tokens, latent_hw,
+                                             real_text_tokens=real_text_tokens).values()))
 
 
 def train_flops_per_sample(model_kwargs: Mapping[str, Any], text_tokens: int,
-                           latent_hw: tuple[int, int]) -> float:
+                           latent_hw: tuple[int, int], *, real_text_tokens: float | None = None) -> float:
     """Training FLOPs (forward + backward = 3x forward) for one sample; the MFU numerator.
 
     Gradient checkpointing re-runs the forward but is *not* counted: MFU measures useful
     model FLOPs (the recompute shows up as a lower MFU, which is the honest reading).
     """
-    return 3.0 * forward_flops_per_sample(model_kwargs, text_tokens, latent_hw)
+    return 3.0 * forward_flops_per_sample(model_kwargs, text_tokens, latent_hw, real_text_tokens=real_text_tokens)
 
 
 # ----- accelerator peaks -------------------------------------------------------------------
@@ -143,7 +160,13 @@ class Accelerator:
 _NVIDIA_H100 = "NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOP/s BF16 dense = 1,979 with sparsity; TF32 494.7 dense), https://www.nvidia.com/en-us/data-center/h100/"
 _NVIDIA_H200 = "NVIDIA H200 Tensor Core GPU datasheet (SXM: same compute as H100 SXM, 989 BF16 dense), https://www.nvidia.com/en-us/data-center/h200/"
 _NVIDIA_A100 = "NVIDIA A100 Tensor Core GPU datasheet (312 TFLOP/s BF16 dense, TF32 156 dense), https://www.nvidia.com/en-us/data-center/a100/"
-_TRN1 = "AWS Neuron docs, Trainium architecture: per chip 2 x NeuronCore-v2, 190 BF16 / 47.5 FP32 TFLOP/s, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trainium.html"
+# Peak sources (each string below is printed in reports next to the MFU it divides):
+# - H100 / H200 SXM: NVIDIA datasheets; BF16 989.4 TFLOP/s dense (the 1,979 headline is with
+#   2:4 sparsity, which dense training does not use); H200 has H100's compute with more HBM.
+# - Trainium1: AWS Neuron docs "Trainium Architecture" (about-neuron/arch/neuron-hardware/
+#   trainium.rst, SDK 2.28): each chip = 2 x NeuronCore-v2 delivering 190 FP16/BF16/cFP8/TF32
+#   and 47.5 FP32 TFLOP/s; a trn1.32xlarge has 16 chips, so 95 BF16 TFLOP/s per NeuronCore-v2.
+_TRN1 = "AWS Neuron docs, Trainium architecture: per chip 2 x NeuronCore-v2, 190 BF16 / 47.5 FP32 TFLOP/s, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/trainium.html"
 _TRN2 = "AWS Neuron docs, Trainium2 architecture: per chip 8 x NeuronCore-v3, 667 BF16 dense / 181 FP32 TFLOP/s, 96 GiB, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/arch/neuron-hardware/trainium2.html"
 
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (

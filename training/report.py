@@ -15,6 +15,11 @@ Definitions (the tests check these by hand):
 - FSx need = bytes per sample x total samples/s (every sample is read once per epoch)
 - FSx provisioned (PERSISTENT_2) = storage TiB x throughput per TiB (MB/s/TiB)
 
+Every report also has the projection section (``training/projection.py``): cost and time per
+preset and instance type as a function of MFU, the GPU/Trainium break-even, budget answers,
+and the measured runs placed on the same chart. ``--project`` with no result files writes
+that section alone: the decision framed before any accelerator is benchmarked.
+
 Refuses to compare runs that differ in preset, model overrides, resolution, text length
 or precision (``--allow-mismatch`` to override, with a warning in the report), and stops
 with one line naming an instance type that has no price.
@@ -33,8 +38,10 @@ from typing import Any
 
 import yaml
 
+from training import flops, projection
 from training.bench_result import COMPARABLE_FIELDS, BenchResult
 from training.errors import UserError, exits_cleanly
+from training.projection import duration
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PRICES = Path(__file__).with_name("prices.yaml")
@@ -110,15 +117,6 @@ def cost_per_million_samples(usd_per_hour: float, samples_per_s_per_instance: fl
     return usd_per_hour / (samples_per_s_per_instance * 3600.0) * 1e6
 
 
-def duration(hours: float) -> str:
-    """Hours as a reader wants them: "12.50 h", or minutes/seconds for short CPU demo targets."""
-    if hours >= 0.1:
-        return f"{hours:,.2f} h"
-    if hours * 60 >= 1:
-        return f"{hours * 60:.1f} min"
-    return f"{hours * 3600:.1f} s"
-
-
 def hours_to_target(samples: float, samples_per_s_total: float) -> float:
     return samples / samples_per_s_total / 3600.0
 
@@ -169,6 +167,9 @@ class Options:
     features_index: str | None = None
     fsx_mbps: float | None = None  # provisioned FSx throughput
     fsx_source: str = ""
+    project_only: bool = False  # --project without result files
+    assumptions: projection.Assumptions | None = None  # None: the defaults
+    question: projection.Question | None = None  # None: the defaults + this target
 
 
 def check_comparable(runs: Sequence[Run], allow: bool) -> list[str]:
@@ -392,8 +393,17 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def render_projection_only(prices: PriceTable, projection_lines: Sequence[str]) -> str:
+    out = ["# Sana training: projected GPU vs Trainium cost-performance (no runs measured)", "",
+           f"Generated {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')} by "
+           f"`python -m training.report --project` with prices `{prices.path}` ({prices.region}, as of "
+           f"{prices.as_of}). Every figure is a projection from assumptions named beside it; bench both "
+           "platforms (runbooks/compare.md) and re-run with the result files to place measured runs on it.", ""]
+    return "\n".join([*out, *projection_lines, ""])
+
+
 def render(runs: Sequence[Run], prices: PriceTable, opts: Options, charts: dict[str, Path],
-           warnings: Sequence[str]) -> str:
+           warnings: Sequence[str], projection_lines: Sequence[str] = (), verdict: str | None = None) -> str:
     cpu = any(r.result.is_cpu for r in runs)
     first = runs[0].result
     samples, what = target_samples(opts)
@@ -416,7 +426,10 @@ def render(runs: Sequence[Run], prices: PriceTable, opts: Options, charts: dict[
     if warnings:
         out += ["", "**Mismatched runs compared (--allow-mismatch):**", ""] + [f"- {w}" for w in warnings]
 
-    out += ["", "## Recommendation", "", recommendation(runs, opts)]
+    out += ["", "## Recommendation", "", recommendation(runs, opts) + (f" Against the projection: {verdict}"
+                                                                       if verdict else "")]
+    if projection_lines:
+        out += ["", *projection_lines]
 
     out += ["", "## Runs", "", _table(
         ["run", "nodes x accel/node", "global batch (per device)", "steps timed (warm-up)", "step p50 / p90 s",
@@ -539,29 +552,59 @@ def bytes_per_sample_from_index(source: str) -> float:
     return float(index.bytes_per_sample)
 
 
+def projection_prices(prices: PriceTable) -> tuple[PriceTable, str]:
+    """The table the projection prices with: ``prices`` if it prices an accelerator instance
+    type, else the shipped table (a demo's price file has only ``local``), with a note saying so."""
+    if any(flops.instance_spec(name) for name in prices.prices):
+        return prices, ""
+    shipped = PriceTable.load(DEFAULT_PRICES)
+    return shipped, (f"`{prices.path}` prices no accelerator instance type, so the projection uses "
+                     f"`{shipped.path}` (list prices as of {shipped.as_of}).")
+
+
 def build(result_paths: Sequence[str | Path], out: str | Path, *, prices_path: str | Path = DEFAULT_PRICES,
           opts: Options | None = None) -> Path:
     """Load, check, compute, draw and write ``out/report.md``; returns its path."""
     opts = opts or Options()
-    if not result_paths:
-        raise UserError("report: give at least one bench result JSON")
+    if not result_paths and not opts.project_only:
+        raise UserError("report: give at least one bench result JSON, or --project for the projection alone")
     prices = PriceTable.load(prices_path)
     runs = []
     for p in result_paths:
         result = BenchResult.load(p)
         runs.append(Run(path=Path(p), result=result, price=prices.get(result.instance_type)))
-    warnings = check_comparable(runs, opts.allow_mismatch)
+    warnings = check_comparable(runs, opts.allow_mismatch) if runs else []
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    charts = make_charts(runs, out)
+    accel = [r for r in runs if not r.result.is_cpu]  # CPU runs never set the projection's precision
+    assumptions = dataclasses.replace(opts.assumptions or projection.Assumptions(), price_as_of=prices.as_of,
+                                      **({"precision": accel[0].result.precision} if accel else {}))
+    samples, what = target_samples(opts)
+    question = dataclasses.replace(opts.question or projection.Question(), samples=samples, target=what)
+    proj_prices, note = projection_prices(prices)
+    if proj_prices is not prices:
+        assumptions = dataclasses.replace(assumptions, price_as_of=proj_prices.as_of)
+    for flag, name, default in (("--gpu-instance", question.gpu, projection.DEFAULT_GPU),
+                                ("--trn-instance", question.trn, projection.DEFAULT_TRN)):
+        if name != default and name not in proj_prices.prices:
+            raise UserError(f"{flag} {name}: no price in {proj_prices.path}; add prices.{name} there or pick one of "
+                            f"{', '.join(n for n in proj_prices.prices if flops.instance_spec(n))}")
+    lines = projection.section(runs, proj_prices.prices, assumptions, question, out, px=CHART_PX, dpi=_DPI)
+    if note:
+        lines[1:1] = ["", note]
     report = out / "report.md"
-    report.write_text(render(runs, prices, opts, charts, warnings))
+    if not runs:
+        report.write_text(render_projection_only(prices, lines))
+        return report
+    charts = make_charts(runs, out)
+    verdict = projection.verdict(runs, proj_prices.prices, assumptions, question)
+    report.write_text(render(runs, prices, opts, charts, warnings, lines, verdict))
     return report
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m training.report", description=__doc__.split("\n")[0])
-    p.add_argument("results", nargs="+", metavar="RESULT.json", help="bench results (python -m training.bench)")
+    p.add_argument("results", nargs="*", metavar="RESULT.json", help="bench results (python -m training.bench)")
     p.add_argument("--out", required=True, help="output directory (report.md + PNG charts)")
     p.add_argument("--prices", default=str(DEFAULT_PRICES), help="prices YAML (default training/prices.yaml)")
     p.add_argument("--dataset-samples", type=int, help="dataset size for time/cost to target")
@@ -573,7 +616,57 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fsx-storage-gib", type=float, help="FSx storage, GiB (with --fsx-throughput-per-tib)")
     p.add_argument("--fsx-throughput-per-tib", type=float, help="FSx MB/s per TiB (125/250/500/1000)")
     p.add_argument("--cdk-json", default=str(REPO / "cdk.json"), help="where to read FSx defaults from")
+    g = p.add_argument_group("projection (every report has it; --project alone needs no result files)")
+    g.add_argument("--project", action="store_true", help="write the projection even without result files")
+    g.add_argument("--preset", action="append", help=f"preset to project (repeat; default {', '.join(projection.DEFAULT_PRESETS)})")
+    g.add_argument("--mfu-band", default=",".join(f"{v:g}" for v in projection.TYPICAL_MFU),
+                   help="assumed typical MFU LO,HI (default %(default)s)")
+    g.add_argument("--scaling-per-doubling", type=float, default=0.95,
+                   help="assumed scaling efficiency kept per doubling of nodes (default %(default)s)")
+    g.add_argument("--real-text-tokens", type=float,
+                   help="mean real caption length (default: read from --features-index when its length matches)")
+    g.add_argument("--nodes", type=int, default=1, help="node count for the projected target (default 1)")
+    g.add_argument("--budget-usd", type=float, help="budget in dollars for the target")
+    g.add_argument("--budget-hours", type=float, help="wall-clock budget in hours for the target")
+    g.add_argument("--max-nodes", type=int, default=16, help="most nodes a budget answer may use (default 16)")
+    g.add_argument("--gpu-instance", default=projection.DEFAULT_GPU, help="GPU side of the break-even headline")
+    g.add_argument("--trn-instance", default=projection.DEFAULT_TRN, help="Trainium side of the break-even headline")
     return p
+
+
+def projection_inputs(args: argparse.Namespace) -> tuple[projection.Assumptions, projection.Question]:
+    """The projection's assumptions and question from the command line; UserError naming the flag."""
+    from training.model import PRESETS
+
+    try:
+        lo, hi = (float(v) for v in args.mfu_band.split(","))
+    except ValueError:
+        raise UserError(f"--mfu-band {args.mfu_band}: give LO,HI as fractions, e.g. 0.15,0.40") from None
+    for preset in args.preset or ():
+        if preset not in PRESETS:
+            raise UserError(f"--preset {preset}: unknown; choose from {', '.join(sorted(PRESETS))}")
+    for flag in ("nodes", "max_nodes"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')}: must be >= 1")
+    for flag in ("budget_usd", "budget_hours", "real_text_tokens"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise UserError(f"--{flag.replace('_', '-')}: must be > 0")
+    real, source = args.real_text_tokens, "--real-text-tokens (given)"
+    if real is None and args.features_index:
+        mean, n, padded = projection.mean_real_text_tokens(args.features_index)
+        if padded == projection.DEFAULT_TEXT_TOKENS:
+            real, source = mean, f"mean {mean:.1f} over {n} samples of {args.features_index}"
+        else:
+            source = (f"not applied: {args.features_index} pads captions to {padded} tokens (mean {mean:.1f} real), "
+                      f"not the presets' {projection.DEFAULT_TEXT_TOKENS}; every padded token counted")
+    assumptions = projection.Assumptions(
+        typical_mfu=(lo, hi), scaling_per_doubling=args.scaling_per_doubling, real_text_tokens=real,
+        **({"real_tokens_source": source} if real is not None or args.features_index else {}))
+    question = projection.Question(presets=tuple(args.preset or projection.DEFAULT_PRESETS), nodes=args.nodes,
+                                   budget_usd=args.budget_usd, budget_hours=args.budget_hours,
+                                   max_nodes=args.max_nodes, gpu=args.gpu_instance, trn=args.trn_instance)
+    return assumptions, question
 
 
 @exits_cleanly
@@ -583,7 +676,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise UserError("--dataset-samples: must be >= 1")
     if not args.epochs > 0:
         raise UserError("--epochs: must be > 0")
-    opts = Options(dataset_samples=args.dataset_samples, epochs=args.epochs, allow_mismatch=args.allow_mismatch)
+    if not args.results and not args.project:
+        raise UserError("report: give at least one bench result JSON, or --project for the projection alone")
+    assumptions, question = projection_inputs(args)
+    opts = Options(dataset_samples=args.dataset_samples, epochs=args.epochs, allow_mismatch=args.allow_mismatch,
+                   project_only=args.project, assumptions=assumptions, question=question)
     if args.features_index:
         opts.bytes_per_sample = bytes_per_sample_from_index(args.features_index)
         opts.features_index = args.features_index

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+from bench_fixtures import make_result  # tests/report/bench_fixtures.py (rootdir on sys.path)
 from PIL import Image
 
 from training import report
@@ -26,32 +27,6 @@ def _png_ok(path: Path) -> None:
 
 def _money(x: float) -> str:
     return f"${x:,.2f}"
-
-
-def make_result(*, backend: str, instance_type: str, accelerator: str, nodes: int, per_node: int,
-                sps_per_accel: float, peak: float | None = None, mfu: float | None = None, **extra) -> dict:
-    """A consistent result dict (identities hold) for logic tests at cluster scale."""
-    world = nodes * per_node
-    per_device = 16
-    steps = 50
-    total = sps_per_accel * world
-    seconds = per_device * world * steps / total
-    data = dict(backend=backend, device_kind="cuda" if backend == "gpu" else "neuron",
-                instance_type=instance_type, accelerator=accelerator, accelerators_per_node=per_node,
-                nodes=nodes, world_size=world, model_preset="sana-600m-512", model_overrides={},
-                resolution_px=512, latent_hw=[16, 16], text_tokens=300, precision="bf16-mixed",
-                per_device_batch=per_device, grad_accum_steps=1, global_batch=per_device * world,
-                data="synthetic", bytes_per_sample=300_000.0, warmup_steps=10, steps_timed=steps,
-                timed_seconds=seconds, step_time_p50_s=seconds / steps, step_time_p90_s=seconds / steps * 1.05,
-                step_time_mean_s=seconds / steps, samples_per_s_total=total,
-                samples_per_s_per_accelerator=total / world, samples_per_s_per_instance=total / nodes,
-                train_flops_per_sample=0.947e12, peak_tflops_per_accelerator=peak, peak_source="datasheet" if peak else None,
-                mfu=mfu, peak_memory_bytes=40 * 2**30, compile_count=None, compile_seconds=None,
-                compiles_in_timed_steps=None, final_loss=0.5, versions={"torch": "2.x"},
-                timestamp="2026-01-01T00:00:00+00:00", command="python -m training.bench ...", notes="")
-    data.update(extra)
-    BenchResult.from_dict(data)  # the helper itself must produce valid results
-    return data
 
 
 def _write(tmp_path: Path, name: str, data: dict) -> Path:
@@ -97,6 +72,14 @@ def test_report_from_real_cpu_runs_matches_hand_computation(demo_comparison, tin
         _png_ok(md_path.parent / f"{name}.png")
         assert f"({name}.png)" in md
     assert not (md_path.parent / "mfu.png").exists()  # no published CPU peak -> no MFU chart
+    # the projection (what make demo shows): shipped prices, since the demo's file prices only "local"
+    proj = md.split("## Projection: cost and time as a function of MFU")[1].split("## Runs")[0]
+    assert "prices no accelerator instance type, so the projection uses" in proj
+    assert "| sana-600m-512 | p5.48xlarge | 0.947 |" in proj and "**Cost per sample:**" in proj
+    assert "CPU runs (labelled, not placed on the chart" in proj
+    assert "No accelerator run yet" in proj  # the CPU runs do not count as measurements
+    assert "Against the projection" not in rec
+    _png_ok(md_path.parent / "projection.png")
 
 
 # ----- cluster-scale logic on constructed results ----------------------------------------------

@@ -71,3 +71,17 @@ def test_generic_neuroncore_name_resolves_by_host_instance_type(monkeypatch, tmp
     assert flops.peak_tflops("neuroncore", "bf16-mixed") == 95.0
     dmi.write_text("trn2.48xlarge\n")
     assert flops.resolve_accelerator("neuroncore") == "NeuronCore-v3-LNC2"
+
+
+def test_real_text_tokens_count_only_real_caption_tokens():
+    """``real_text_tokens`` drops the padding from the text terms, by hand; default unchanged."""
+    kw = PRESETS["sana-600m-512"]
+    padded = flops.train_flops_per_sample(kw, 300, (16, 16))
+    assert flops.train_flops_per_sample(kw, 300, (16, 16), real_text_tokens=None) == padded
+    assert flops.train_flops_per_sample(kw, 300, (16, 16), real_text_tokens=300) == padded
+    real = flops.train_flops_per_sample(kw, 300, (16, 16), real_text_tokens=80)
+    pad, d, dc, dx, cap, tokens, layers = 300 - 80, 1152, 16 * 72, 1152, 2304, 256, 28
+    text_terms = 2 * pad * (cap * d + d * d) + layers * (2 * 2 * pad * dx * dc + 2 * 2 * tokens * pad * dc)
+    assert padded - real == pytest.approx(3 * text_terms, rel=1e-12)
+    with pytest.raises(ValueError, match="real_text_tokens 301"):
+        flops.train_flops_per_sample(kw, 300, (16, 16), real_text_tokens=301)
