@@ -233,15 +233,25 @@ class SlurmCluster:
             time.sleep(0.5)
 
     def wait_node_idle(self, *, timeout: float) -> None:
-        """Until the node is IDLE again (a cancelled job leaves it COMPLETING for a moment)."""
+        """Until the controller has the node IDLE again with nothing allocated (a cancelled job
+        leaves it COMPLETING for a moment).
+
+        NOTE: read from ``scontrol show node`` (slurmctld's own node record: State, CPUAlloc),
+        not ``sinfo %T``: under load, sinfo on Slurm 22.05 was seen reporting 'mixed' for
+        minutes after a cancelled --gres job while scontrol had State=IDLE CPUAlloc=0 and
+        squeue listed no job, and the next job started normally.
+        """
         deadline = time.monotonic() + timeout
-        state = ""
+        record = ""
         while time.monotonic() < deadline:
-            state = self.run("sinfo", "-h", "-n", self.node, "-o", "%T", check=False).strip()
-            if state.startswith("idle"):
+            record = " ".join(self.run("scontrol", "show", "node", self.node, check=False).split())
+            fields = dict(item.split("=", 1) for item in record.split() if "=" in item)
+            if fields.get("State") == "IDLE" and fields.get("CPUAlloc") == "0":
                 return
             time.sleep(0.5)
-        raise TimeoutError(f"node {self.node} is '{state}', not idle, after {timeout:.0f} s")
+        jobs = self.run("squeue", "-h", "-o", "%i %j %u %T %M", check=False).strip()
+        raise TimeoutError(f"node {self.node} not IDLE with nothing allocated after {timeout:.0f} s; "
+                           f"jobs: {jobs or 'none'}; node: {record}")
 
     def sacct(self, *job_ids: int) -> dict[int, dict[str, str]]:
         """The accounting database's record of each job (allocations only, `sacct -X`):
