@@ -75,6 +75,29 @@ trn_env() {
   # Compiled graphs are shared by every node and every job: compile once per cluster.
   export_line NEURON_COMPILE_CACHE_URL "$FSX/cache/neuron"
   export_line NEURON_CC_FLAGS '--model-type=transformer'
+  # The Neuron runtime's root-comm (collectives bootstrap) port; launch.sh builds
+  # NEURON_RT_ROOT_COMM_ID=<rank 0's node>:<this port>. Reserved below (reserve_ports).
+  export_line SANA_NEURON_COMM_PORT "$NEURON_COMM_PORT"
+}
+
+# 46820 (Neuron's samples use it for NEURON_RT_ROOT_COMM_ID) lies inside Linux's ephemeral
+# range (32768-60999), so an outgoing connection may already hold it when rank 0's runtime
+# binds it. Reserved ports are never handed out as ephemeral ones (kernel
+# Documentation/networking/ip-sysctl.rst, ip_local_reserved_ports); the Neuron samples' Slurm
+# scripts reserve theirs the same way (sysctl -w net.ipv4.ip_local_reserved_ports=...).
+# Written to sysctl.d (survives a reboot) and applied now, merged with what is reserved.
+NEURON_COMM_PORT=${NEURON_COMM_PORT:-46820}
+reserve_ports() {
+  local proc=${PLATFORM_ROOT}/proc/sys/net/ipv4/ip_local_reserved_ports current=""
+  [[ -r $proc ]] && current=$(<"$proc")
+  local wanted=$current
+  if [[ ,$current, != *,"$NEURON_COMM_PORT",* ]]; then wanted=${current:+$current,}$NEURON_COMM_PORT; fi
+  mkdir -p "${PLATFORM_ROOT}/etc/sysctl.d"
+  printf 'net.ipv4.ip_local_reserved_ports = %s\n' "$wanted" \
+    | write_atomically "${PLATFORM_ROOT}/etc/sysctl.d/90-sana-neuron.conf" 0644
+  mkdir -p "$(dirname "$proc")"
+  printf '%s\n' "$wanted" >"$proc" || die "cannot reserve port $NEURON_COMM_PORT in $proc"
+  log "reserved port $NEURON_COMM_PORT (ip_local_reserved_ports=$wanted)"
 }
 
 render_profile() {
@@ -93,3 +116,4 @@ mkdir -p "$(dirname "$PROFILE_PATH")"
 profile=$(render_profile)
 printf '%s\n' "$profile" | write_atomically "$PROFILE_PATH" 0644
 log "wrote $PROFILE_PATH for role $NODE_ROLE ($(grep -c '^export ' "$PROFILE_PATH") variables)"
+if [[ $NODE_ROLE == trn ]]; then reserve_ports; fi

@@ -37,7 +37,8 @@ case $kind in
     ;;
   neuron)
     link=${ENV_NEURON_DIR:?}
-    imports=(torch torch_xla)
+    # torch_neuronx too: a torch-xla without Neuron's plugin would train on the CPU device.
+    imports=(torch torch_xla torch_neuronx)
     # torch-neuronx, neuronx-cc and libneuronxla exist only on Neuron's repository
     # (settings neuron_pip_index: the one place its URL is configured).
     index_args=()

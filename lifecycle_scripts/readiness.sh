@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step "ready": is this node ready for a Sana job? FSx writable, the accelerator driver
 # answers (nvidia-smi / neuron-ls, where installed), the backend env imports torch (and
-# torch_xla on trn) plus the training package, and this node's part of Slurm is up (slurmctld
+# torch_xla + torch_neuronx on trn) plus the training package, and this node's part of Slurm is up (slurmctld
 # on the controller, slurmd on gpu/trn nodes, the controller reachable from the login node).
 # On success it writes this node's one-line status file on FSx
 # ($FSX/logs/provision/<instance>.status); on_init_complete.sh writes a FAILED one when any
@@ -99,7 +99,7 @@ case $NODE_ROLE in
     ;;
   trn)
     check_accelerator neuron-ls neuron_list neuron
-    check_env "${ENV_NEURON_DIR:?}" torch torch_xla
+    check_env "${ENV_NEURON_DIR:?}" torch torch_xla torch_neuronx
     ;;
 esac
 check_slurm

@@ -524,6 +524,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--instance-type", default=os.environ.get("SANA_INSTANCE_TYPE", "local"),
                    help="SageMaker instance type, e.g. ml.p5.48xlarge (default $SANA_INSTANCE_TYPE or 'local')")
     p.add_argument("--notes", default="", help="free text stored in the result")
+    p.add_argument("--dry-run", action="store_true",
+                   help="instead: print the per-NeuronCore HBM estimate of --config (training/memory.py) "
+                        "for --world-size ranks and exit; exit 2 if it cannot fit")
+    p.add_argument("--world-size", type=int, default=32,
+                   help="ranks the --dry-run estimate shards ZeRO-1 over (default 32: one trn1.32xlarge)")
     p.add_argument("--overhead", action="store_true",
                    help=f"instead: loop step vs bare step on CPU fp32 (limit {OVERHEAD_LIMIT}x)")
     return p
@@ -547,6 +552,24 @@ def prepare_overhead_run(cfg: Any, work: Path, *, text_tokens: int = 32) -> Any:
     return cfg
 
 
+def main_dry_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The HBM table for ``--config`` on Trainium, and one JSON line; nothing is built or run."""
+    from training.memory import check_trainium_config
+
+    if args.backend != "trainium":
+        raise UserError("--dry-run: estimates NeuronCore HBM; add --backend trainium")
+    if not args.config:
+        raise UserError("--dry-run: needs --config (e.g. training/configs/trn-sana-600m-512.yaml)")
+    if args.world_size < 1:
+        raise UserError(f"--world-size: {args.world_size} < 1; give the number of ranks (NeuronCores)")
+    cfg = _load_cfg(args, args.config, work / "run")
+    instance = None if args.instance_type == "local" else args.instance_type
+    est = check_trainium_config(cfg, world_size=args.world_size, instance_type=instance, out=sys.stdout)
+    summary = {"dry_run": True, "config": args.config, "hbm_gib": est.as_gib()}
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
 def main_overhead(args: argparse.Namespace, work: Path) -> OverheadResult:
     cfg = prepare_overhead_run(_load_cfg(args, args.config or str(OVERHEAD_CONFIG), work / "run"), work,
                                text_tokens=args.text_tokens)
@@ -568,6 +591,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         if args.overhead:
             main_overhead(args, work)
+            return
+        if args.dry_run:
+            main_dry_run(args, work)
             return
         if not args.config or not args.out:
             raise UserError("--config and --out: required (or use --overhead)")

@@ -10,8 +10,18 @@ checkpoint samples correctly.
 Randomness is drawn for the *global* batch (``world_size * B``) from the device's default
 generator, seeded identically on every rank, and each rank keeps its slice. So a run on
 N ranks sees exactly the noise one process with the N-times batch sees (tested), and there
-is no per-rank generator to keep in sync or to trip XLA graph tracing. The extra draw is
-a few MB per step even at 1024px on 64 devices.
+is no per-rank generator to keep in sync. The extra draw is a few MB per step even at
+1024px on 64 devices.
+
+The slice is *data*, not a constant: the draw is viewed as [world, B, ...] and this rank's
+row is picked with ``index_select`` by a one-element rank tensor that lives on the device.
+A Python slice ``draw[r*B:(r+1)*B]`` would be lowered by torch-xla into an HLO ``slice``
+with the bounds baked in, so every rank would trace its own step graph. The Neuron
+persistent cache is keyed by the graph's hash (awsdocs-neuron v2.29.1, about-neuron/arch/
+neuron-features/neuron-caching.rst), so that is N neuronx-cc compiles and N cache
+entries, a precompile that fills one rank's entry only, and replicas whose collectives sit
+in different programs. With the index as device data every rank's graph is the same HLO
+with a different input (tests/xla/test_same_graph.py hashes it as ranks 0, 1 and 31 of 32).
 """
 
 from __future__ import annotations
@@ -73,9 +83,22 @@ class RectifiedFlow:
         self.null_mask = null_mask
         self.rank = rank
         self.world_size = world_size
+        self._rank_index: dict[torch.device, torch.Tensor] = {}
+
+    def rank_index(self, device: torch.device) -> torch.Tensor:
+        """This rank's id as a one-element int64 tensor on ``device``, made once per device.
+
+        Made on the host and transferred: on XLA that is device data (a graph *input*),
+        where ``torch.tensor(r, device=xla)`` or a Python int would be a traced constant.
+        """
+        if device not in self._rank_index:
+            self._rank_index[device] = torch.tensor([self.rank], dtype=torch.int64).to(device)
+        return self._rank_index[device]
 
     def _local(self, draw: torch.Tensor, batch: int) -> torch.Tensor:
-        return draw[self.rank * batch:(self.rank + 1) * batch]
+        """Rows [rank*B, (rank+1)*B) of the global draw, selected by a device index (see above)."""
+        rows = draw.view(self.world_size, batch, *draw.shape[1:])
+        return rows.index_select(0, self.rank_index(draw.device)).squeeze(0)
 
     def sample(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sigma [B], noise [B,C,H,W], drop [B] bool) for this rank, in a fixed draw order."""
@@ -84,8 +107,9 @@ class RectifiedFlow:
         u = torch.randn(n, **kw) * self.cfg.logit_std + self.cfg.logit_mean
         sigma = shift_sigmas(torch.sigmoid(u), self.cfg.flow_shift)
         noise = torch.randn((n, *latents.shape[1:]), **kw)
-        drop = torch.rand(n, **kw) < self.cfg.caption_dropout
-        return self._local(sigma, b), self._local(noise, b), self._local(drop, b)
+        uniform = torch.rand(n, **kw)
+        drop = self._local(uniform, b) < self.cfg.caption_dropout
+        return self._local(sigma, b), self._local(noise, b), drop
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Scalar fp32 loss for one (micro-)batch of {"latents", "text", "text_mask"}."""

@@ -4,21 +4,40 @@ Entry point for Trainium (one process per NeuronCore under torchrun) and for tor
 CPU device in tests (``PJRT_DEVICE=CPU``). Same flags as ``python -m training.gpu`` plus
 ``--precompile``; thin on purpose (STYLE.md rule 1): parse, build the backend, train, close.
 
-``--precompile`` is for ``neuron_parallel_compile python -m training.trainium ...``: it
+``--precompile`` is for ``neuron_parallel_compile torchrun ... -m training.trainium ...`` (the
+``precompile`` Slurm job kind wraps the training job's own torchrun world in it, so the
+graphs, collectives included, are the ones the real run compiles): it
 traces ``trainium.precompile_steps`` optimizer steps so the tool can compile every graph
 of the real run in parallel into the persistent cache, writes no checkpoint, resumes from
-none and reads no tensor value (the tool's graphs return zeros). Nothing in this module
+none and reads no tensor value (the tool's graphs return zeros). The mode also turns on by
+itself when ``NEURON_EXTRACT_GRAPHS_ONLY`` is set, which neuron_parallel_compile sets for its
+trial run (awsdocs-neuron v2.29.0 frameworks/torch/torch-neuronx/api-reference-guide/
+training/pytorch-neuron-parallel-compile.rst), so a plain training command under the tool
+cannot write zero-filled checkpoints. Nothing in this module
 imports torch-xla, so ``--help`` works in any environment.
+
+Before the backend creates a device (and long before the first neuronx-cc compile), the
+per-NeuronCore HBM estimate (training/memory.py) is printed on rank 0 and a config that
+cannot fit fails on every rank with one line naming the knob to turn.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
 from training.errors import exits_cleanly
 
 PROG = "python -m training.trainium"
+#: set by neuron_parallel_compile while it runs the command to extract graphs
+EXTRACT_GRAPHS_ENV = "NEURON_EXTRACT_GRAPHS_ONLY"
+
+
+def extracting_graphs(env: dict[str, str] | None = None) -> bool:
+    """Whether this process runs under neuron_parallel_compile's graph extraction."""
+    value = (os.environ if env is None else env).get(EXTRACT_GRAPHS_ENV, "")
+    return value not in ("", "0")
 
 
 def apply_precompile(cfg) -> None:
@@ -40,8 +59,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                           "checkpoints, no resume, no tensor reads")
     precompile = cli.parse_args(argv).precompile  # also validates and serves --help
     cfg = load_config([a for a in argv if a != "--precompile"], prog=PROG)
-    if precompile or cfg.trainium.precompile:
+    if precompile or cfg.trainium.precompile or extracting_graphs():
         apply_precompile(cfg)
+
+    from training.memory import check_trainium_config
+
+    # torchrun's WORLD_SIZE is what ZeRO-1 shards over; the same on every rank, so every rank
+    # reaches the same verdict (no collective needed to agree on it).
+    check_trainium_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                          out=sys.stdout if os.environ.get("RANK", "0") == "0" else None)
 
     from training.backends.neuron import NeuronBackend
     from training.entry import run

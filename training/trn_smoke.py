@@ -17,7 +17,11 @@ non-vacuity control:
 3. after ``--steps`` steps, per-parameter checksums are bit-identical across ranks;
 4. the compile count does not grow after the warm-up step (no recompiling step);
 5. ``broadcast_object`` / ``barrier`` (rendezvous) work; the full CPU state dicts on rank 0
-   have every parameter at its full shape (ZeRO-1 gathers its shards).
+   have every parameter at its full shape (ZeRO-1 gathers its shards);
+6. every rank traced the same step graph: the hash of the last step's pending graph
+   (forward, backward, all-reduce, optimizer; ``step_graph_hash``) is all-gathered and must
+   be one value (a rank-dependent constant would mean one neuronx-cc compile per rank and
+   replicas running different programs; tests/xla/test_same_graph.py proves it on PJRT CPU).
 
 Prints one JSON line on rank 0 and exits 1 if any check fails. Also runs on one process
 (``python -m training.trn_smoke``), where checks 1-3 are trivially true: useful only to see
@@ -60,6 +64,37 @@ def _batches(shape: tuple[int, int, int], text_dim: int, tokens: int, batch: int
                "text_mask": torch.ones(batch, tokens, dtype=torch.long)}
 
 
+def step_graph_tensors(model: Any, optimizer: Any, *outputs: Any) -> list[Any]:
+    """Every tensor an optimizer step updates: parameters, optimizer state (of a ZeRO-1
+    wrapper's base optimizer too, whose fp32 shards are what it steps) and ``outputs``."""
+    import torch
+
+    opts = [optimizer, getattr(optimizer, "base_optimizer", None)]
+    found = [*outputs, *model.parameters()]
+    for opt in filter(None, opts):
+        found += [p for group in opt.param_groups for p in group["params"]]
+        found += [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+    unique = {id(t): t for t in found if t.device.type == "xla"}  # first occurrence's order
+    return list(unique.values())
+
+
+def step_graph_hash(tensors: Sequence[Any]) -> str:
+    """Hex hash of the pending (not yet synced) XLA graph that computes ``tensors``: call it
+    after a step is traced and before ``sync()``. It is torch-xla's own graph hash
+    (``torch_xla._XLAC._get_graph_hash``, pytorch/xla v2.9 torch_xla/csrc/init_python_bindings.cpp),
+    the key its compilation cache looks graphs up by, so equal hashes on two ranks mean one
+    compile serves both."""
+    import torch_xla
+
+    return torch_xla._XLAC._get_graph_hash(list(tensors)).hex()
+
+
+def _hash_words(digest: str) -> list[float]:
+    """A hex digest as exact small floats (16-bit words) for an all-gather."""
+    raw = bytes.fromhex(digest)
+    return [float(int.from_bytes(raw[i:i + 2], "big")) for i in range(0, len(raw), 2)]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch_xla
@@ -100,9 +135,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   rank=rank, world_size=world)
         batches = backend.device_batches(_batches(shape, text_dim, args.text_tokens, args.batch_size, rank))
         compiles, losses = [], []
+        digest = ""
         for _ in range(args.steps):
-            loss, _norm = train_step(model, optimizer, scheduler, objective, batches, backend, optim)
+            loss, norm = train_step(model, optimizer, scheduler, objective, batches, backend, optim)
             losses.append(loss)
+            digest = step_graph_hash(step_graph_tensors(model, optimizer, loss, norm))
             backend.sync()
             compiles.append(backend.compile_stats()["compiles"])
         checks["no_recompile_after_warmup"] = len(set(compiles[1:])) == 1
@@ -112,8 +149,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             for p in params]).flatten()
         gathered = xm.all_gather(sums.unsqueeze(0), dim=0)  # [world, 2 * n_params]
         rank_losses = xm.all_gather(losses[0].detach().float().reshape(1), dim=0)
+        # the words come from the host: device data, exact in fp32 (< 2**16)
+        hashes = xm.all_gather(torch.tensor([_hash_words(digest)]).to(device), dim=0)
         torch_xla.sync()
-        gathered, rank_losses = gathered.cpu(), rank_losses.cpu()
+        gathered, rank_losses, hashes = gathered.cpu(), rank_losses.cpu(), hashes.cpu()
+        checks["same_step_graph_on_every_rank"] = bool((hashes == hashes[0]).all())
         checks["params_identical_across_ranks"] = bool((gathered == gathered[0]).all())
         checks["ranks_saw_different_data"] = world == 1 or len(set(rank_losses.tolist())) == world
 
@@ -127,7 +167,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tuple(optim_sd["state"][n]["exp_avg"].shape) == shape_ for n, shape_ in full.items())
         backend.barrier()
         return {"ok": all(checks.values()), "checks": checks, "rank": rank, "world_size": world,
-                "steps": args.steps,
+                "steps": args.steps, "step_graph_hash": digest,
+                "distinct_step_graphs": len({tuple(row) for row in hashes.tolist()}),
                 "zero1": args.zero1, "precision": args.precision, "compiles_per_step": compiles,
                 "max_checksum_spread": float((gathered - gathered[0]).abs().max()),
                 "rank_losses": rank_losses.tolist(), "backend": backend.describe()}

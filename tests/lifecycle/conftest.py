@@ -16,7 +16,7 @@ def standins(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     dist = tmp_path_factory.mktemp("wheels")
-    return {name: build_wheel(dist, name) for name in ("torch", "torch_xla")}
+    return {name: build_wheel(dist, name) for name in ("torch", "torch_xla", "torch_neuronx")}
 
 
 @pytest.fixture

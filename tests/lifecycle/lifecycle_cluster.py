@@ -16,8 +16,8 @@ Commands that only work on a real node are replaced by stand-ins first on PATH (
 STANDINS); everything else (bash, python3 -m venv, pip, flock, cp, mv, useradd, groupadd, usermod,
 ssh-keygen) is the real thing.
 The training package's requirements name local stand-in wheels called `torch` and
-`torch_xla`, so the env build runs real venv + pip offline (PIP_NO_INDEX) in seconds and the
-readiness check's production `import torch` / `import torch, torch_xla` imports them.
+`torch_xla` and `torch_neuronx`, so the env build runs real venv + pip offline (PIP_NO_INDEX) in seconds and the
+readiness check's production `import torch` / `import torch, torch_xla, torch_neuronx` imports them.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def make_bundle(dest: Path, wheels: dict[str, Path], *, package_hash: str,
     (package / "__init__.py").write_text(f'"""Stand-in training package {package_hash}."""\nVERSION = "{package_hash}"\n')
     (package / "requirements-gpu.txt").write_text(
         gpu_requirements if gpu_requirements is not None else f"# gpu env (test)\n{wheels['torch']}\n")
-    (package / "requirements-neuron.txt").write_text(f"{wheels['torch']}\n{wheels['torch_xla']}\n")
+    (package / "requirements-neuron.txt").write_text(
+        f"{wheels['torch']}\n{wheels['torch_xla']}\n{wheels['torch_neuronx']}\n")
     return dest
 
 

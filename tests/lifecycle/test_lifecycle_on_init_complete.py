@@ -137,6 +137,12 @@ def test_profile_defines_the_job_environment_per_role(cluster, node):
         assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
         assert env["MALLOC_ARENA_MAX"] == "64"
         assert not [k for k in env if k.startswith("NCCL_")]
+        # the Neuron root-comm port launch.sh uses, reserved against ephemeral use (now + reboot)
+        assert env["SANA_NEURON_COMM_PORT"] == "46820"
+        reserved = c.root(node) / "proc/sys/net/ipv4/ip_local_reserved_ports"
+        assert "46820" in reserved.read_text().strip().split(",")
+        assert (c.root(node) / "etc/sysctl.d/90-sana-neuron.conf").read_text() == \
+            "net.ipv4.ip_local_reserved_ports = 46820\n"
     else:
         assert not [k for k in env if k.startswith(("NCCL_", "NEURON_", "FI_"))]
 
@@ -170,7 +176,7 @@ def test_package_installed_under_its_hash_with_a_current_link(cluster):
     assert not list((c.fsx / "platform").glob(".incoming-*"))  # no leftovers from the losers' copies
 
 
-@pytest.mark.parametrize("kind,modules", [("gpu", "torch"), ("neuron", "torch, torch_xla")])
+@pytest.mark.parametrize("kind,modules", [("gpu", "torch"), ("neuron", "torch, torch_xla, torch_neuronx")])
 def test_env_is_ready_and_runs_the_package(cluster, kind, modules):
     c, _, _ = cluster
     link = c.fsx / "envs" / kind

@@ -34,7 +34,7 @@ JOB_TIMEOUT = 300
 def pretend(tmp_path: Path) -> tuple[Cluster, dict[str, Path]]:
     """gpu-1 and trn-1 of a pretend cluster, provisioned with pkg0001; and its stand-in wheels."""
     standins = make_standins(tmp_path / "standin-bin")
-    wheels = {name: build_wheel(tmp_path, name) for name in ("torch", "torch_xla")}
+    wheels = {name: build_wheel(tmp_path, name) for name in ("torch", "torch_xla", "torch_neuronx")}
     c = Cluster(tmp_path / "cluster", make_bundle(tmp_path / "cluster/bundle", wheels, package_hash="pkg0001"),
                 standins)
     procs = [c.start(node) for node in ("gpu-1", "trn-1")]

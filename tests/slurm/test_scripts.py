@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "training" / "slurm"
 SCRIPTS = sorted([*SLURM_DIR.glob("*.sbatch"), *SLURM_DIR.glob("*.sh")])
 PARTITIONS = {"train-gpu.sbatch": "gpu", "train-trainium.sbatch": "trn", "precompute.sbatch": "gpu",
-              "bench.sbatch": "gpu"}
+              "bench.sbatch": "gpu", "precompile-trainium.sbatch": "trn"}
 
 
 def shellcheck() -> str:
@@ -74,7 +74,7 @@ def test_launcher_names_an_unknown_kind(tmp_path):
     proc = subprocess.run(["bash", str(SLURM_DIR / "launch.sh"), "job", "cuda"], capture_output=True, text=True,
                           cwd=tmp_path)
     assert proc.returncode == 1
-    assert "unknown job kind 'cuda'; use gpu, trainium, precompute or bench" in proc.stderr
+    assert "unknown job kind 'cuda'; use gpu, trainium, precompile, precompute or bench" in proc.stderr
 
 
 def launcher_env(tmp_path: Path, **extra: str) -> dict[str, str]:

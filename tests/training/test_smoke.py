@@ -234,7 +234,7 @@ def test_pins_come_from_requirements_neuron_and_the_release_table():
     assert pins.sdk == re.search(r"Neuron SDK release:\s*(\S+)", REQUIREMENTS).group(1)
     assert pins.packages["neuronx-cc"] == re.search(r"^neuronx-cc==(\S+)", REQUIREMENTS, re.M).group(1)
     assert {"aws-neuronx-runtime-lib", "aws-neuronx-dkms", "torch-neuronx", "torch-xla"} <= set(pins.packages)
-    with pytest.raises(ValueError, match="Neuron SDK 9.9.9 .* NEURON_SYSTEM_PACKAGES"):
+    with pytest.raises(ValueError, match="Neuron SDK 9.9.9 .* NEURON_RELEASES"):
         neuron_pins(REQUIREMENTS.replace(f"Neuron SDK release: {pins.sdk}", "Neuron SDK release: 9.9.9"))
 
 

@@ -121,3 +121,40 @@ def test_accelerator_names_match_the_flops_table():
     assert neuron_accelerator("trn2.48xlarge", {}) == "NeuronCore-v3-LNC2"
     for name in ("NeuronCore-v2", "NeuronCore-v3-LNC2"):
         assert name in ACCELERATORS
+
+
+@pytest.mark.parametrize("mb", [0, 25])
+def test_bucket_size_is_exported_even_when_zero_and_survives_torch_xla_neuron_defaults(monkeypatch, mb):
+    """torch-xla's Neuron start-up setdefault()s ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB=50; the
+    configured value (0 = one all-reduce) must be what xm.reduce_gradients then reads."""
+    from torch_xla._internal import neuron as xla_neuron
+
+    monkeypatch.delenv("ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB", raising=False)
+    xla_neuron.set_envvar_defaults()  # control: unset, Neuron's default applies
+    import os
+
+    assert os.environ["ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB"] == "50"
+    monkeypatch.delenv("ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB")
+    apply_neuron_env(NeuronConfig(allreduce_bucket_mb=mb), "fp32")
+    xla_neuron.set_envvar_defaults()
+    assert os.environ["ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB"] == str(mb)
+
+
+def test_zero1_collectives_are_configured_as_nxd():
+    """pin_layout=False and coalesced (bucketed) reduce-scatter / all-gather of
+    trainium.zero1_bucket_mb; test_zero1.py proves the update still equals the unsharded one."""
+    import torch
+
+    from training.model import ModelConfig, build_model
+    from training.optim import OptimConfig, optimizer_factory
+
+    backend = NeuronBackend(NeuronConfig(zero1=True, zero1_bucket_mb=8), precision="fp32")
+    backend.init()
+    torch.manual_seed(0)
+    model = backend.prepare_model(build_model(ModelConfig(preset="tiny")))
+    zero = backend.build_optimizer(model, optimizer_factory(OptimConfig(), model))
+    assert zero.pin_layout is False
+    assert zero.coalesce_cc_reduce_scatter and zero.coalesce_cc_all_gather
+    assert zero.bucket_cap_mb_reduce_scatter == zero.bucket_cap_mb_all_gather == 8
+    with pytest.raises(ValueError, match="trainium.zero1_bucket_mb"):
+        NeuronConfig(zero1_bucket_mb=-1)

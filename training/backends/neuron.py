@@ -47,7 +47,7 @@ ZeRO-1 (``build_optimizer``).
 
 State dicts leave this backend as the GPU backend's do (training/backends/state.py): full,
 CPU, name-keyed, complete on rank 0 and empty on the others; a device->host copy of every
-tensor is made on rank 0 only, between ``xm.rendezvous`` fences (``xm.save`` would make one
+tensor is made on rank 0 only, between ``barrier()`` fences (``xm.save`` would make one
 CPU copy per rank and exhaust host RAM for 1.6B on 32 ranks).
 """
 
@@ -77,6 +77,7 @@ log = logging.getLogger(__name__)
 STOCHASTIC_ROUNDING_ENV = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
 COMPILE_CACHE_ENV = "NEURON_COMPILE_CACHE_URL"
 NO_SPECIAL_SCALARS_ENV = "XLA_NO_SPECIAL_SCALARS"
+ALLREDUCE_BUCKET_ENV = "ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB"
 
 
 def neuron_status() -> tuple[bool, str]:
@@ -151,8 +152,9 @@ def apply_neuron_env(cfg: NeuronConfig, precision: str, env: dict[str, str] | No
         missing = [f for f in cfg.cc_flags.split() if f not in flags.split()]
         if missing:
             put("NEURON_CC_FLAGS", " ".join([*flags.split(), *missing]))
-    if cfg.allreduce_bucket_mb:
-        put("ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB", str(cfg.allreduce_bucket_mb))
+    # Always, 0 included: torch-xla's Neuron start-up only setdefault()s 50 (torch_xla/_internal/
+    # neuron.py set_envvar_defaults), so an explicit value is the only way the config decides.
+    put(ALLREDUCE_BUCKET_ENV, str(cfg.allreduce_bucket_mb))
     return changed
 
 
@@ -195,6 +197,7 @@ class NeuronBackend(Backend):
         self.device = torch.device("cpu")  # until init()
         self.neuron_available, self.neuron_note = False, "not initialised"
         self._owns_group = False
+        self._host_group: Any = None  # gloo group for host-side agreement (see barrier)
         self._zero: Any = None  # the ZeroRedundancyOptimizer, when cfg.zero1
         self._zero_model: nn.Module | None = None
         self.syncs = 0  # torch_xla.sync() calls made through sync(): one per optimizer step
@@ -215,6 +218,13 @@ class NeuronBackend(Backend):
                 # torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR) through the xla:// init method
                 dist.init_process_group("xla", init_method="xla://")
                 self._owns_group = True
+            # Host-side agreement (barrier, broadcast_object, "does every rank have a state")
+            # goes over gloo on the CPU, never through XLA: xm.rendezvous is an XLA all-gather
+            # plus .item() (pytorch/xla v2.9 torch_xla/core/xla_model.py xla_rendezvous), i.e.
+            # one more graph per payload size, and under neuron_parallel_compile's graph
+            # extraction (NEURON_EXTRACT_GRAPHS_ONLY) its outputs are zeros, so a broadcast
+            # would hand pickle.loads an empty payload. Same store as the default group.
+            self._host_group = dist.new_group(backend="gloo")
         self.device = torch_xla.device()
         self.rank = xr.global_ordinal()
         self.world_size = xr.world_size()
@@ -228,6 +238,7 @@ class NeuronBackend(Backend):
                                "the NeuronCores per node (neuron-ls) and NEURON_RT_VISIBLE_CORES")
 
     def close(self) -> None:
+        self._host_group = None
         if self._owns_group:
             import torch.distributed as dist
 
@@ -284,10 +295,17 @@ class NeuronBackend(Backend):
         # rebuilds the same optimizer over the shards. It holds no state yet, so nothing is lost.
         # grad_clipping stays on so the wrapper computes the global norm over the reduced shards;
         # clip_and_step sets max_norm per call (inf = measure only).
+        # Collectives as NxD configures its NeuronZero1Optimizer (a subclass of this one):
+        # pin_layout=False (neuronx-distributed docs, api_guide "Neuron Zero1 Optimizer"), and
+        # coalesced reduce-scatter / all-gather in trainium.zero1_bucket_mb buckets instead of
+        # one collective per parameter (torch_xla zero_redundancy_optimizer.py: a cap > 0
+        # turns on coalesce_cc_reduce_scatter / coalesce_cc_all_gather).
+        bucket = self.cfg.zero1_bucket_mb
         zero = ZeroRedundancyOptimizer(
             [dict(group) for group in optimizer.param_groups], type(optimizer),
             optimizer_dtype=torch.float32, grad_clipping=True, max_norm=float("inf"),
-            pin_layout=True, save_master_weights=False)
+            pin_layout=False, save_master_weights=False,
+            bucket_cap_mb_all_gather=bucket, bucket_cap_mb_reduce_scatter=bucket)
         init_adam_state(zero.base_optimizer)
         self._zero, self._zero_model = zero, self.unwrap(model)
         return zero
@@ -351,22 +369,21 @@ class NeuronBackend(Backend):
     # ----- collectives / state ------------------------------------------------
     def barrier(self) -> None:
         import torch_xla
-        import torch_xla.core.xla_model as xm
 
+        torch_xla.sync()  # pending device work is launched before anyone passes the barrier
         if self.world_size > 1:
-            xm.rendezvous("sana-barrier")
-        else:
-            torch_xla.sync()  # same ordering guarantee for pending work, no collective graph
+            import torch.distributed as dist
+
+            dist.barrier(group=self._host_group)
 
     def broadcast_object(self, obj: Any) -> Any:
         if self.world_size == 1:
             return obj
-        import pickle
+        import torch.distributed as dist
 
-        import torch_xla.core.xla_model as xm
-
-        payloads = xm.rendezvous("sana-broadcast", pickle.dumps(obj) if self.is_main else b"")
-        return pickle.loads(payloads[0])
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0, group=self._host_group)
+        return box[0]
 
     def _flush(self) -> None:
         """Materialise pending work before reading tensors (not counted as a step sync)."""
@@ -404,10 +421,11 @@ class NeuronBackend(Backend):
         every rank; a caller may also hand the full state to rank 0 only, as on the GPU backend)."""
         if self.world_size == 1:
             return True
-        import torch_xla.core.xla_model as xm
+        import torch.distributed as dist
 
-        flags = xm.rendezvous("sana-have-state", b"1" if state else b"0")
-        return all(flag == b"1" for flag in flags)
+        flags: list[Any] = [None] * self.world_size
+        dist.all_gather_object(flags, bool(state), group=self._host_group)
+        return all(flags)
 
     def load_model_state_dict(self, model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         inner = self.unwrap(model)
@@ -553,13 +571,18 @@ class NeuronBackend(Backend):
             return (int(data[0]), float(data[1]) / 1e9) if data else (0, 0.0)
 
         compiles, compile_s = metric("CompileTime")
+        # On-disk cache lookups by graph hash (torch-xla's persistent cache; on Neuron the
+        # compile cache neuron_parallel_compile fills). A miss is a graph nobody compiled before.
+        cache = {"persistent_cache_misses": int(met.counter_value("PersistentCacheMiss") or 0),
+                 "persistent_cache_loads": int(met.metric_data("PersistentCacheLoad")[0])
+                 if met.metric_data("PersistentCacheLoad") else 0}
         transfers, transfer_s = metric("TransferFromDeviceTime")
         executes, execute_s = metric("ExecuteTime")
         return {"compiles": compiles, "compile_seconds": round(compile_s, 3),
                 "executions": executes, "execute_seconds": round(execute_s, 3),
                 "transfers_from_device": transfers, "transfer_seconds": round(transfer_s, 3),
                 "local_scalar_dense": int(met.counter_value("aten::_local_scalar_dense") or 0),
-                "syncs": self.syncs}
+                "syncs": self.syncs, **cache}
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {**super().describe(), "precision": self.precision,

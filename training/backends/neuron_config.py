@@ -38,11 +38,20 @@ class NeuronConfig:
     #: training (small updates round back to the old weight).
     stochastic_rounding: bool = True
     #: Extra neuronx-cc flags appended to NEURON_CC_FLAGS. "--model-type=transformer"
-    #: enables the compiler's transformer-specific scheduling for this DiT.
-    cc_flags: str = "--model-type=transformer"
-    #: Gradient all-reduce bucket size in MiB (0 = one all-reduce over all grads);
-    #: exported as ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB, which xm.reduce_gradients reads.
-    allreduce_bucket_mb: int = 0
+    #: enables the compiler's transformer-specific scheduling for this DiT;
+    #: "--retry_failed_compilation" recompiles a graph whose cache entry records a failure
+    #: instead of failing on it (a compile killed with its job, on the shared cache, would
+    #: otherwise fail every later job): both as the Neuron training samples set them
+    #: (aws-neuron/aws-neuron-samples torch-neuronx/training scripts' NEURON_CC_FLAGS).
+    cc_flags: str = "--model-type=transformer --retry_failed_compilation"
+    #: Gradient all-reduce bucket size in MiB (0 = one all-reduce over all grads). Always
+    #: exported as ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB, which xm.reduce_gradients reads: left
+    #: unset, torch-xla itself sets 50 on Neuron (pytorch/xla v2.9 torch_xla/_internal/
+    #: neuron.py set_envvar_defaults, a setdefault), so "0" would not mean what it says.
+    allreduce_bucket_mb: int = 50
+    #: ZeRO-1 reduce-scatter and all-gather bucket size in MiB (0 = one collective per
+    #: parameter): ZeroRedundancyOptimizer's bucket_cap_mb_reduce_scatter/_all_gather.
+    zero1_bucket_mb: int = 50
 
     def __post_init__(self) -> None:
         url = self.compile_cache_url
@@ -54,6 +63,9 @@ class NeuronConfig:
         if self.precompile_steps < 1:
             raise ValueError(f"trainium.precompile_steps: {self.precompile_steps} < 1; it must trace at "
                              "least one step (3 covers warm-up and steady graphs)")
+        if self.zero1_bucket_mb < 0:
+            raise ValueError(f"trainium.zero1_bucket_mb: {self.zero1_bucket_mb} < 0; use 0 "
+                             "(one collective per parameter) or a size in MiB")
         if self.allreduce_bucket_mb < 0:
             raise ValueError(f"trainium.allreduce_bucket_mb: {self.allreduce_bucket_mb} < 0; use 0 "
                              "(single all-reduce) or a size in MiB")

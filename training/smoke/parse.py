@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from training.neuron_release import NEURON_RELEASES
+
 # --------------------------------------------------------------------------- sinfo
 
 #: `sinfo --Node --noheader --format=` fields (sinfo(1)): partition (%P; the default one
@@ -170,15 +172,13 @@ def nccl_network(log: str) -> NcclNetwork:
 
 # The Neuron SDK release every trn node must run is chosen in ONE place: the
 # "Neuron SDK release: X.Y.Z" line of training/requirements-neuron.txt, whose pip pins are
-# that release's Python packages. The system packages of the same release (runtime library,
-# collectives, driver) come from the Neuron "Release Content" page, Trn1 packages:
-# https://awsdocs-neuron.readthedocs-hosted.com/en/v2.29.0/release-notes/releasecontent.html
-# A release missing here makes the version check fail with a line saying to add it.
+# that release's Python packages. The versions of each release (system packages: runtime
+# library, collectives, driver; and the pip packages) live in ONE table,
+# training/neuron_release.py NEURON_RELEASES (from the Neuron release manifest); the pins
+# test (tests/xla/test_neuron_pins.py) holds requirements-neuron.txt to the same table.
+# A release missing there makes the version check fail with a line saying to add it.
 NEURON_SYSTEM_PACKAGES: dict[str, dict[str, str]] = {
-    "2.29.0": {"aws-neuronx-runtime-lib": "2.31.24.0",
-               "aws-neuronx-collectives": "2.31.24.0",
-               "aws-neuronx-dkms": "2.27.4.0"},
-}
+    release: dict(versions["system"]) for release, versions in NEURON_RELEASES.items()}
 #: the Python packages of the Neuron stack whose pins the check compares (the rest of
 #: requirements-neuron.txt is ordinary Python, checked by pip when the env is built)
 NEURON_PIP_PACKAGES = ("torch", "torch-xla", "torch-neuronx", "neuronx-cc", "libneuronxla")
@@ -208,7 +208,7 @@ def neuron_pins(requirements: str) -> NeuronPins:
     sdk = match["v"]
     if sdk not in NEURON_SYSTEM_PACKAGES:
         raise ValueError(f"Neuron SDK {sdk} (training/requirements-neuron.txt) has no system package "
-                         "versions in training/smoke/parse.py NEURON_SYSTEM_PACKAGES; add that "
+                         "versions in training/neuron_release.py NEURON_RELEASES; add that "
                          "release's Trn1 packages from the Neuron Release Content page")
     packages = dict(NEURON_SYSTEM_PACKAGES[sdk])
     wanted = {_norm(n) for n in NEURON_PIP_PACKAGES}
