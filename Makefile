@@ -11,7 +11,7 @@ XLA_PY   := $(XLA_VENV)/bin/python
 STAMPS   := .stamps
 CDK      := npx --no-install cdk
 
-.PHONY: help setup setup-xla synth audit demo test test-platform test-xla lint clean
+.PHONY: help setup setup-xla synth audit demo test test-platform test-xla lint clean image push-image
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -66,6 +66,17 @@ test-xla: setup setup-xla
 lint: setup ## ruff + shellcheck
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/shellcheck lifecycle_scripts/*.sh training/slurm/*.sh training/slurm/*.sbatch scripts/*.sh .ci/run
+
+# Training images (runbooks/containers.md). IMAGE=gpu|neuron; BASE=<image> overrides the
+# Dockerfile's base; EFA=0 skips the GPU image's EFA stage; the builder is detected (docker with
+# a daemon, podman, buildah) or SANA_IMAGE_BUILDER. Tag: <package hash>-<recipe hash>.
+IMAGE ?= gpu
+image: $(STAMPS)/venv ## build the training image (IMAGE=gpu|neuron, BASE=..., EFA=0) with docker/podman/buildah
+	$(PY) -m containers.image build $(IMAGE) $(if $(BASE),--base $(BASE)) $(if $(filter 0,$(EFA)),--no-efa)
+
+push-image: $(STAMPS)/venv ## push the built image to its ECR repository (REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com)
+	@test -n "$(REGISTRY)" || { echo "make push-image: set REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com (cluster stack output GpuImageRepositoryUri without the path)" >&2; exit 2; }
+	$(PY) -m containers.image push $(IMAGE) --registry $(REGISTRY) $(if $(BASE),--base $(BASE)) $(if $(filter 0,$(EFA)),--no-efa)
 
 clean: ## remove build outputs (keeps the virtual envs)
 	rm -rf cdk.out demo-output .pytest_cache

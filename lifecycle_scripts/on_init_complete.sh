@@ -29,9 +29,10 @@
 #
 # Steps (one small script per concern; see runbooks/node-boot.md):
 #   all roles   settings -> identity -> fsx -> dirs -> users -> package -> profile -> ... -> ready
-#   gpu         ... -> env-gpu (build /fsx/envs/gpu once per cluster) -> ready
-#   trn         ... -> env-neuron (build /fsx/envs/neuron once per cluster) -> ready
-#   login       ... -> env-gpu (only the base Python the GPU env links to) -> ready
+#   gpu         ... -> env-gpu (build /fsx/envs/gpu once per cluster) -> containers -> ready
+#   trn         ... -> env-neuron (build /fsx/envs/neuron once per cluster) -> containers -> ready
+#   login       ... -> env-gpu (only the base Python the GPU env links to) -> containers -> ready
+#   (containers: enroot + pyxis checked and configured for container jobs; not on the controller)
 #
 # Every line goes to stdout (HyperPod ships it to CloudWatch) and to
 # /var/log/provision/provisioning.log. A failure ends with ONE line
@@ -125,6 +126,11 @@ main() {
     trn) run_step env-neuron python_env.sh neuron build ;;
     # Researchers run the package's entrypoints on the login node with the GPU env.
     login) run_step env-gpu python_env.sh gpu use ;;
+  esac
+  # Container jobs (srun --container-image) start on workers and are submitted from the login
+  # node; the controller runs none.
+  case $NODE_ROLE in
+    gpu | trn | login) run_step containers container_runtime.sh ;;
   esac
   run_step ready readiness.sh
   log "READY node=$NODE_NAME role=$NODE_ROLE in $((SECONDS - started))s"

@@ -2,15 +2,19 @@
 # Installs the Debian packages the tests drive for real: Slurm daemons + munge
 # (job-script tests), MariaDB + slurmdbd (Slurm accounting: the fixture runs slurmdbd on a
 # private MariaDB and the tests read jobs back with sacct), gcc (the Slurm fixture compiles a
-# small SPANK plugin standing in for HyperPod's --auto-resume option) and shellcheck. Skips
-# apt entirely when all are present.
+# small SPANK plugin standing in for HyperPod's --auto-resume option) and shellcheck; and what
+# the image test builds and runs a training image with (tests/containers): mmdebstrap (the
+# Debian minbase base image), buildah + podman (the builders, chroot isolation) and
+# squashfs-tools (mksquashfs/unsquashfs with enroot's options). Skips apt entirely when all
+# are present.
 set -euo pipefail
 
-readonly PACKAGES=(slurm-wlm munge mariadb-server slurmdbd gcc shellcheck)
+readonly PACKAGES=(slurm-wlm munge mariadb-server slurmdbd gcc shellcheck mmdebstrap buildah podman squashfs-tools)
 
 all_present() {
   local tool
-  for tool in slurmctld slurmd munged mariadbd mariadb-install-db slurmdbd sacct shellcheck cc; do
+  for tool in slurmctld slurmd munged mariadbd mariadb-install-db slurmdbd sacct shellcheck cc \
+    mmdebstrap buildah podman mksquashfs unsquashfs; do
     command -v "$tool" >/dev/null || return 1
   done
 }

@@ -28,8 +28,9 @@ from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
 from stacks.accounting import AccountingDatabase
-from stacks.common import acknowledge, ignore_cfn_lint
+from stacks.common import acknowledge, ignore_cfn_lint, removal_policy
 from stacks.config import FSX_MOUNT, PlatformConfig
+from stacks.images import ImageRepositories
 from stacks.network import Network
 from stacks.storage import StorageStack, bucket_names
 
@@ -359,6 +360,10 @@ class ClusterStack(cdk.Stack):
                                                                     accounting=storage.accounting))
         self._acknowledge_deployment_handler(config)
         buckets, upload = self.cluster.buckets, self.cluster.upload
+        # Training images (containers/, runbooks/containers.md): pulled by the nodes' role only.
+        self.images = ImageRepositories(self, "Images", project=config.projectName, key=buckets.key,
+                                        pull_role=self.cluster.execution_role.role,
+                                        removal_policy=removal_policy(config))
         outputs = {
             "ClusterName": (config.clusterName, "HyperPod cluster name (aws sagemaker describe-cluster --cluster-name ...)"),
             "ClusterArn": (self.cluster.cluster.attr_cluster_arn, "HyperPod cluster ARN"),
@@ -373,6 +378,10 @@ class ClusterStack(cdk.Stack):
             "NeuronCompileCacheUri": (f"s3://{buckets.artefacts.bucket_name}/neuron-compile-cache/",
                                       "Neuron persistent compile cache URL"),
             "ReportsUri": (f"s3://{buckets.artefacts.bucket_name}/reports/", "bench results and reports"),
+            "GpuImageRepositoryUri": (self.images.repositories["gpu"].repository_uri,
+                                      "ECR repository of the GPU training image (make push-image IMAGE=gpu)"),
+            "NeuronImageRepositoryUri": (self.images.repositories["neuron"].repository_uri,
+                                         "ECR repository of the Neuron training image (make push-image IMAGE=neuron)"),
         }
         for key, (value, description) in outputs.items():
             cdk.CfnOutput(self, key, value=value, description=description)

@@ -60,6 +60,13 @@ STANDINS = {
     # `scontrol ping` on a login node: "Slurmctld(primary) at <host> is UP", exit 0, or "... is
     # DOWN" and exit 1 (what Debian's scontrol 22.05 does against a controller that is not
     # there). Here: UP once the test created $PLATFORM_ROOT/run/standin-units/slurmctld-reachable.active.
+    # enroot on the HyperPod AMI (installed package): `enroot version` prints its version.
+    "enroot": '[ "$1" = version ] && echo 3.5.0',
+    # srun with pyxis loaded (HyperPod's plugstack.conf registers it): --help lists pyxis's
+    # --container-image option, which is what container_runtime.sh looks for.
+    "srun": ('if [ "$1" = --help ]; then echo "Usage: srun [OPTIONS...]"; '
+             'echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"; exit 0; fi\n'
+             'echo "srun $1: not stood in" >&2; exit 1'),
     "scontrol": ('if [ "$1" = ping ]; then\n'
                  '  if [ -f "$PLATFORM_ROOT/run/standin-units/slurmctld-reachable.active" ]; then\n'
                  '    echo "Slurmctld(primary) at controller-1 is UP"; exit 0\n  fi\n'
@@ -202,6 +209,10 @@ class Cluster:
         for name, text in BASE_ACCOUNTS.items():
             if not (root / "etc" / name).exists():
                 (root / "etc" / name).write_text(text)
+        # The AMI registers pyxis with Slurm (awsome-distributed-ai base-config
+        # utils/install_enroot_pyxis.sh checks for exactly this line), daemon up or not.
+        (root / "opt/slurm/etc").mkdir(parents=True, exist_ok=True)
+        (root / "opt/slurm/etc/plugstack.conf").write_text("required /opt/slurm/lib/slurm/spank_pyxis.so\n")
         if slurm:
             self.start_daemon(node)
         self.fsx.mkdir(exist_ok=True)

@@ -19,9 +19,9 @@ from lifecycle_cluster import GROUP, LOG_LINE, NODES, SLURM_DAEMON, USERS, Clust
 
 STEPS = {
     "controller": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "ready"],
-    "login": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-gpu", "ready"],
-    "gpu": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-gpu", "ready"],
-    "trn": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-neuron", "ready"],
+    "login": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
+    "gpu": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
+    "trn": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-neuron", "containers", "ready"],
 }
 CONTRACT_VARS = ["SANA_ROLE", "SANA_FSX", "SANA_PLATFORM_DIR", "SANA_ENV_GPU", "SANA_ENV_NEURON",
                  "SANA_CHECKPOINT_ROOT", "SANA_LOG_ROOT", "SANA_DATA_ROOT", "SANA_RDZV_PORT",

@@ -139,8 +139,15 @@ def test_execution_role_is_sagemaker_with_managed_policy_and_platform_policy(def
     })
 
 
+def platform_policy(synth) -> dict:
+    """The execution role's platform policy (the registry-login policy is tests/stacks/test_images.py's)."""
+    (policy,) = [p for p in synth.resources("Cluster", "AWS::IAM::ManagedPolicy").values()
+                 if "ReadLifecycleScripts" in json.dumps(p)]
+    return policy
+
+
 def test_execution_policy_resources_are_this_platforms_arns(default):
-    (policy,) = default.resources("Cluster", "AWS::IAM::ManagedPolicy").values()
+    policy = platform_policy(default)
     statements = policy["Properties"]["PolicyDocument"]["Statement"]
     for st in statements:
         resources = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
@@ -277,7 +284,7 @@ def test_platform_settings_json_follows_the_contract(default):
 
 
 def test_execution_role_may_create_grants_on_the_platform_key_for_node_volumes(default):
-    (policy,) = default.resources("Cluster", "AWS::IAM::ManagedPolicy").values()
+    policy = platform_policy(default)
     statements = {st["Sid"]: st for st in policy["Properties"]["PolicyDocument"]["Statement"]}
     grant = statements["GrantPlatformKeyToNodeVolumes"]
     assert grant["Action"] == "kms:CreateGrant"

@@ -132,7 +132,9 @@ def test_accounting_db_is_reachable_only_from_the_cluster_security_group(account
 
 
 def test_accounting_secret_is_readable_by_the_execution_role(accounting):
-    (policy,) = accounting.resources("Cluster", "AWS::IAM::ManagedPolicy").values()
+    from test_templates import platform_policy  # the execution role's platform policy (not the ECR login one)
+
+    policy = platform_policy(accounting)
     statements = {st["Sid"]: st for st in policy["Properties"]["PolicyDocument"]["Statement"]}
     read = statements["ReadAccountingDatabaseSecret"]
     assert sorted(read["Action"]) == ["secretsmanager:DescribeSecret", "secretsmanager:GetSecretValue"]

@@ -8,7 +8,7 @@
 #                                            with srun (srun --auto-resume=1 on HyperPod)
 #   launch.sh node KIND [CONFIG] [ARGS...]   in every srun task: torchrun for this node
 #
-# KIND is gpu | trainium | precompute | bench. CONFIG is a YAML file (gpu, trainium, bench;
+# KIND is gpu | trainium | precompile | precompute | bench. CONFIG is a YAML file (gpu, trainium, precompile, bench;
 # default: the 600M preset; precompute takes none); ARGS go to the entrypoint unchanged.
 # The job runs as the submitting user and writes only under $SANA_LOG_ROOT and
 # $SANA_CHECKPOINT_ROOT (the package tree is root's and read-only). The package and env are
@@ -87,10 +87,10 @@ bench_backend() {
 # The accelerator family a kind runs on: precompute needs GPUs (DC-AE + Gemma-2).
 accelerator_of() {
   case $1 in
-    trainium) echo neuron ;;
+    trainium | precompile) echo neuron ;;
     bench) [[ $(bench_backend) == trainium ]] && echo neuron || echo gpu ;;
     gpu | precompute) echo gpu ;;
-    *) die "unknown job kind '$1'; use gpu, trainium, precompute or bench" ;;
+    *) die "unknown job kind '$1'; use gpu, trainium, precompile, precompute or bench" ;;
   esac
 }
 
@@ -201,7 +201,7 @@ pin_job_environment() {
     local key value
     while IFS='=' read -r key value; do
       case $key in
-        SANA_PACKAGE_ROOT | SANA_PACKAGE_HASH | SANA_ENV_PATH | SANA_ENV_HASH) export "$key=$value" ;;
+        SANA_PACKAGE_ROOT | SANA_PACKAGE_HASH | SANA_ENV_PATH | SANA_ENV_HASH | SANA_CONTAINER_SQSH) export "$key=$value" ;;
       esac
     done <"$pin"
     [[ -n ${SANA_PACKAGE_ROOT:-} && -n ${SANA_ENV_PATH:-} ]] \
@@ -217,25 +217,105 @@ pin_job_environment() {
     return 0
   fi
   local env_link
-  env_link=$(env_dir_for "$kind")
   export SANA_PACKAGE_ROOT=$PACKAGE_ROOT
-  SANA_ENV_PATH=$(readlink -f "$env_link") || die "cannot resolve the env $env_link; build the $kind env or point SANA_ENV_GPU/SANA_ENV_NEURON at one"
-  export SANA_ENV_PATH
   SANA_PACKAGE_HASH=$(package_hash_of "$PACKAGE_ROOT")
-  SANA_ENV_HASH=$(env_hash_of "$SANA_ENV_PATH")
+  if [[ -n ${SANA_CONTAINER_IMAGE:-} ]]; then
+    # Container mode: the image is the env (resolved once, pinned like a venv); inside it the
+    # node step reports the image's own package (run_node).
+    SANA_CONTAINER_SQSH=$(resolve_container_image "$SANA_CONTAINER_IMAGE") || exit 1
+    export SANA_CONTAINER_SQSH SANA_ENV_PATH=$SANA_CONTAINER_SQSH
+    SANA_ENV_HASH=$(basename "$SANA_CONTAINER_SQSH" .sqsh)
+  else
+    env_link=$(env_dir_for "$kind")
+    SANA_ENV_PATH=$(readlink -f "$env_link") || die "cannot resolve the env $env_link; build the $kind env or point SANA_ENV_GPU/SANA_ENV_NEURON at one"
+    export SANA_ENV_PATH
+    SANA_ENV_HASH=$(env_hash_of "$SANA_ENV_PATH")
+  fi
   export SANA_PACKAGE_HASH SANA_ENV_HASH
   local name tmp
   tmp=$(mktemp "$pin.XXXXXX")
   for name in "${PINNED_VARS[@]}"; do printf '%s=%s\n' "$name" "${!name}"; done >"$tmp"
+  [[ -z ${SANA_CONTAINER_SQSH:-} ]] || printf 'SANA_CONTAINER_SQSH=%s\n' "$SANA_CONTAINER_SQSH" >>"$tmp"
   chmod 0644 "$tmp" # readable like the rest of the job's logs (mktemp makes it 0600)
   mv -f "$tmp" "$pin"
   PIN_ORIGIN="pinned at first start in $pin"
 }
 
+# ---- Container mode (opt-in; venvs stay the default) -------------------------------------------
+# SANA_CONTAINER_IMAGE = a squashfs image (/fsx/images/<name>-<tag>.sqsh) or an image URI
+# (<registry>/<repo>:<tag>, e.g. the ECR repository `make push-image` pushes to). The job then
+# runs the same srun/torchrun flow with every node's task inside that image through pyxis
+# (NVIDIA/pyxis: srun --container-image/--container-mounts, see runbooks/containers.md), with
+# the image's own package and venv (containers/*.Dockerfile install them at CONTAINER_ROOT).
+readonly CONTAINER_ROOT=${SANA_CONTAINER_ROOT:-/opt/sana}
+
+# The .sqsh a URI is imported to: <images dir>/<last path part of the repo>-<tag>.sqsh.
+sqsh_path_of() {
+  local uri=$1 repo tag
+  [[ $uri == *:* && ${uri##*:} != */* ]] \
+    || die "SANA_CONTAINER_IMAGE=$uri: no tag; use <registry>/<repo>:<tag> or a .sqsh path (runbooks/containers.md)"
+  repo=${uri%:*}
+  tag=${uri##*:}
+  echo "${SANA_IMAGES_DIR:-$SANA_FSX/images}/${repo##*/}-$tag.sqsh"
+}
+
+# Import a URI ONCE: enroot into a temp file beside the target (same file system), then an atomic
+# rename, under a lock so concurrent jobs wait for one import; present -> nothing to do.
+# enroot's URI form is docker://[REGISTRY#]IMAGE[:TAG] (NVIDIA/enroot doc/cmd/import.md); ECR
+# credentials come from $ENROOT_CONFIG_PATH/.credentials (runbooks/containers.md).
+import_image() {
+  local uri=$1 dest=$2
+  [[ -f $dest ]] && return 0
+  mkdir -p "$(dirname "$dest")" || die "cannot create $(dirname "$dest"); check SANA_IMAGES_DIR"
+  command -v enroot >/dev/null || die "$(hostname): enroot not found; the container runtime lifecycle step (lifecycle_scripts/container_runtime.sh) did not run on this node"
+  (
+    flock 9
+    [[ -f $dest ]] && exit 0
+    local tmp=$dest.tmp.$$
+    rm -f "$tmp"
+    echo "launch.sh: importing $uri into $dest"
+    enroot import --output "$tmp" "docker://${uri%%/*}#${uri#*/}" || { rm -f "$tmp"; exit 1; }
+    chmod 0644 "$tmp"
+    mv -f "$tmp" "$dest"
+  ) 9>"$dest.lock" || die "enroot import of $uri failed; check the registry login (runbooks/containers.md, ECR credentials)"
+}
+
+# Resolve SANA_CONTAINER_IMAGE to the .sqsh the job runs (imported first if it is a URI).
+resolve_container_image() {
+  local image=$1
+  if [[ $image == /* ]]; then
+    [[ -f $image ]] || die "SANA_CONTAINER_IMAGE=$image: no such file; import it first (runbooks/containers.md) or give an image URI"
+    readlink -f "$image"
+    return 0
+  fi
+  local dest
+  dest=$(sqsh_path_of "$image")
+  import_image "$image" "$dest" >&2
+  echo "$dest"
+}
+
+# --container-mounts: FSx (and the job's roots and the launcher where they lie outside it), the
+# EFA devices on GPU nodes, the Neuron devices on Trainium nodes. enroot.conf keeps /dev
+# unrestricted as well (container_runtime.sh), but naming the devices keeps the job correct on
+# a node whose enroot config restricts /dev.
+container_mounts() {
+  local kind=$1 path dev
+  local -a mounts=("$SANA_FSX:$SANA_FSX")
+  for path in "$SANA_LOG_ROOT" "$SANA_CHECKPOINT_ROOT" "$SANA_DATA_ROOT" "$PACKAGE_ROOT"; do
+    [[ $path == "$SANA_FSX" || $path == "$SANA_FSX"/* || ! -e $path ]] || mounts+=("$path:$path")
+  done
+  case $(accelerator_of "$kind") in
+    gpu) [[ -d /dev/infiniband ]] && mounts+=(/dev/infiniband:/dev/infiniband) ;;
+    neuron) for dev in /dev/neuron[0-9]*; do [[ -e $dev ]] && mounts+=("$dev:$dev"); done ;;
+  esac
+  local IFS=,
+  echo "${mounts[*]}"
+}
+
 entry_module() {
   case $1 in
     gpu) echo training.gpu ;;
-    trainium) echo training.trainium ;;
+    trainium | precompile) echo training.trainium ;;
     precompute) echo training.precompute ;;
     bench) echo training.bench ;;
   esac
@@ -272,6 +352,14 @@ run_job() {
     srun_args+=(--auto-resume=1)
   fi
 
+  if [[ -n ${SANA_CONTAINER_SQSH:-} ]]; then
+    # pyxis (NVIDIA/pyxis): the task runs in the image; no home mount (enroot.conf too), the
+    # launcher itself is reached through the FSx mount.
+    srun_args+=(--container-image="$SANA_CONTAINER_SQSH" --container-mounts="$(container_mounts "$kind")"
+      --no-container-mount-home --container-writable)
+    echo "launch.sh: container image $SANA_CONTAINER_SQSH"
+  fi
+
   echo "launch.sh: job $SLURM_JOB_ID ($run_name) kind=$kind nodes=$SLURM_JOB_NUM_NODES [$SLURM_JOB_NODELIST] restart=${SLURM_RESTART_COUNT:-0} user=$(id -un)"
   echo "launch.sh: package $SANA_PACKAGE_ROOT hash=$SANA_PACKAGE_HASH ($PIN_ORIGIN)"
   echo "launch.sh: env $SANA_ENV_PATH requirements_hash=${SANA_ENV_HASH:-none (no .sana-env-ready: not built by lifecycle_scripts/python_env.sh)}"
@@ -286,15 +374,39 @@ run_job() {
   return "$status"
 }
 
+# This node's static torchrun node rank: SLURM_NODEID (its index in the step's node list), checked
+# against the expanded job node list so that node rank 0 is the node named $1 (the master).
+static_node_rank() {
+  local head=$1 id=${SLURM_NODEID:-}
+  [[ $id =~ ^[0-9]+$ ]] || die "SLURM_NODEID='$id': not set by srun; run the node step through launch.sh job"
+  local -a hosts
+  mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  local mine=${SLURMD_NODENAME:-${hosts[$id]:-}}
+  [[ ${hosts[$id]:-} == "$mine" && ${hosts[0]} == "$head" ]] \
+    || die "SLURM_NODEID=$id is ${hosts[$id]:-nothing} in $SLURM_JOB_NODELIST but this node is $mine; node ranks would not match the master $head"
+  echo "$id"
+}
+
 run_node() {
   local kind=$1
   shift
-  local env_dir python
-  # The env the batch step resolved and pinned (exported to every srun task); the symlink only
-  # when run by hand outside `launch.sh job`.
-  env_dir=${SANA_ENV_PATH:-$(env_dir_for "$kind")}
-  python=$env_dir/bin/python
-  [[ -x $python ]] || die "$(hostname): no Python at $python; build the $kind env or point SANA_ENV_GPU/SANA_ENV_NEURON at one"
+  local env_dir python package_root=$PACKAGE_ROOT
+  if [[ -n ${SANA_CONTAINER_SQSH:-} ]]; then
+    # Inside the image: its venv and its package; provenance names the image's package hash
+    # (SANA_IMAGE_PACKAGE_HASH in its image.env = its sana.package-hash label, containers/image.py).
+    package_root=$CONTAINER_ROOT
+    python=$CONTAINER_ROOT/venv/bin/python
+    [[ -x $python ]] || die "$(hostname): no Python at $python in $SANA_CONTAINER_SQSH; is it an image built from containers/ (make image)?"
+    local image_hash
+    image_hash=$(sed -n 's/^SANA_IMAGE_PACKAGE_HASH=//p' "$CONTAINER_ROOT/image.env" 2>/dev/null || true)
+    export SANA_PACKAGE_ROOT=$CONTAINER_ROOT SANA_PACKAGE_HASH=${image_hash:-unknown}
+  else
+    # The env the batch step resolved and pinned (exported to every srun task); the symlink only
+    # when run by hand outside `launch.sh job`.
+    env_dir=${SANA_ENV_PATH:-$(env_dir_for "$kind")}
+    python=$env_dir/bin/python
+    [[ -x $python ]] || die "$(hostname): no Python at $python; build the $kind env or point SANA_ENV_GPU/SANA_ENV_NEURON at one"
+  fi
 
   # Recomputed in every step, not inherited from the batch script: after a HyperPod node
   # replacement the rerun step may have a different first node.
@@ -308,14 +420,20 @@ run_node() {
     if [[ $# -gt 0 && $1 != -* ]]; then
       config=$1
       shift
+    elif [[ $kind == trainium || $kind == precompile ]]; then
+      # Trainium's own config: the GPU one does not fit a NeuronCore (training/memory.py)
+      config=$package_root/training/configs/trn-sana-600m-512.yaml
     else
-      config=$PACKAGE_ROOT/training/configs/sana-600m-512.yaml
+      config=$package_root/training/configs/sana-600m-512.yaml
     fi
   fi
   local -a entry=(-m "$(entry_module "$kind")")
   [[ -n $config ]] && entry+=(--config "$config")
   case $kind in
     gpu | trainium) entry+=(--resume auto --output-dir "$SANA_RUN_DIR") ;;
+    # The training job's config and world, traced a few steps: no checkpoint, no resume
+    # (training/trainium.py --precompile); its run dir is scratch in the job's log dir.
+    precompile) entry+=(--precompile --output-dir "$SANA_JOB_LOG_DIR/precompile-run") ;;
     # Given before the user's ARGS, so an explicit --out/--instance-type there wins.
     # --work-dir per user: bench's default, $TMPDIR/sana-bench, is shared by every user of the
     # node, and the first user's directory would refuse everyone else's run.
@@ -325,25 +443,48 @@ run_node() {
   esac
   entry+=("$@")
 
+  # How the torchrun agents of the job form one world. GPU: c10d rendezvous (elastic; ranks
+  # ordered by the store). Trainium: static ranks, as the Neuron training scripts launch them
+  # (aws-neuron-samples / neuronx-distributed Slurm run scripts: --nnodes $SLURM_NTASKS
+  # --node_rank $SLURM_NODEID --master_addr <first of scontrol show hostnames>,
+  # NEURON_RT_ROOT_COMM_ID=<that address>:46820). Node rank 0 is the first host, rank 0 runs
+  # on it, and the root-comm address is built from the SAME $head, so the three agree by
+  # construction; c10d would order nodes by its own store and could put rank 0 elsewhere.
+  local -a world=(--rdzv-backend=c10d --rdzv-endpoint="$head:$SANA_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID")
   if [[ $(accelerator_of "$kind") == neuron ]]; then
-    # Neuron runtime collectives bootstrap from one root address per job (Neuron docs,
-    # neuronx-distributed Slurm examples); same first-node rule as the rendezvous.
-    export NEURON_RT_ROOT_COMM_ID=${NEURON_RT_ROOT_COMM_ID:-$head:${SANA_NEURON_COMM_PORT:-46820}}
-    echo "launch.sh: $(hostname -s): NEURON_RT_ROOT_COMM_ID=$NEURON_RT_ROOT_COMM_ID"
+    local node_rank
+    node_rank=$(static_node_rank "$head") || exit 1
+    world=(--node-rank="$node_rank" --master-addr="$head" --master-port="$SANA_RDZV_PORT")
+    local root_comm=$head:${SANA_NEURON_COMM_PORT:-46820}
+    if [[ -n ${NEURON_RT_ROOT_COMM_ID:-} && $NEURON_RT_ROOT_COMM_ID != "$root_comm" ]]; then
+      echo "launch.sh: NEURON_RT_ROOT_COMM_ID=$NEURON_RT_ROOT_COMM_ID from the environment replaced by $root_comm (rank 0's node); set SANA_NEURON_COMM_PORT to change the port"
+    fi
+    # Set explicitly: left unset, torch-xla derives MASTER_ADDR:62182 (pytorch/xla v2.9
+    # torch_xla/_internal/neuron.py set_rt_root_comm_id), a port nothing reserves.
+    export NEURON_RT_ROOT_COMM_ID=$root_comm
+    echo "launch.sh: $(hostname -s): node_rank=$node_rank master=$head NEURON_RT_ROOT_COMM_ID=$NEURON_RT_ROOT_COMM_ID"
   fi
-  export PYTHONPATH=$PACKAGE_ROOT${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$package_root${PYTHONPATH:+:$PYTHONPATH}
 
   # Every rank's stdout/stderr goes to its own file under ranks/<node>/; the console (and so
   # job.log) carries local rank 0 of each node only, or 64 ranks x N nodes would bury it.
   local node
   node=$(hostname -s)
-  echo "launch.sh: $node: torchrun nnodes=$SLURM_JOB_NUM_NODES nproc_per_node=$nproc rdzv=$head:$SANA_RDZV_PORT rdzv_id=$SLURM_JOB_ID -> ${entry[*]}"
-  exec "$python" -m torch.distributed.run \
+  # precompile: the SAME torchrun world inside neuron_parallel_compile, on every node, so the
+  # extracted graphs carry the real run's collectives and hashes (the tool wraps the whole
+  # launch command: awsdocs-neuron v2.29.0 pytorch-neuron-parallel-compile.rst,
+  # `neuron_parallel_compile torchrun --nproc_per_node=N <script>`). It ships in the env's bin.
+  local -a wrap=()
+  if [[ $kind == precompile ]]; then
+    local tool=${SANA_PARALLEL_COMPILE:-$(dirname "$python")/neuron_parallel_compile}
+    [[ -x $tool ]] || die "$(hostname): no neuron_parallel_compile at $tool; it comes with torch-neuronx (training/requirements-neuron.txt) in the Neuron env"
+    wrap=("$tool")
+  fi
+  echo "launch.sh: $node: ${wrap[*]:+${wrap[*]} }torchrun nnodes=$SLURM_JOB_NUM_NODES nproc_per_node=$nproc ${world[*]} -> ${entry[*]}"
+  exec "${wrap[@]}" "$python" -m torch.distributed.run \
     --nnodes="$SLURM_JOB_NUM_NODES" \
     --nproc-per-node="$nproc" \
-    --rdzv-backend=c10d \
-    --rdzv-endpoint="$head:$SANA_RDZV_PORT" \
-    --rdzv-id="$SLURM_JOB_ID" \
+    "${world[@]}" \
     --max-restarts=0 \
     --log-dir="$SANA_JOB_LOG_DIR/ranks/$node" \
     --tee=3 \
@@ -356,8 +497,8 @@ main() {
   local mode=$1
   shift
   case $1 in
-    gpu | trainium | precompute | bench) ;;
-    *) die "unknown job kind '$1'; use gpu, trainium, precompute or bench" ;;
+    gpu | trainium | precompile | precompute | bench) ;;
+    *) die "unknown job kind '$1'; use gpu, trainium, precompile, precompute or bench" ;;
   esac
   case $mode in
     job) run_job "$@" ;;

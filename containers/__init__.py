@@ -1,0 +1,1 @@
+"""Training images: Dockerfiles and the build/push helper (``python -m containers.image``)."""

@@ -1,0 +1,64 @@
+"""ECR repositories for the training images (containers/gpu.Dockerfile, containers/neuron.Dockerfile).
+
+One repository per image, named ``<project>/sana-<kind>`` (what ``python -m containers.image push``
+pushes to): scan on push, immutable tags (a tag is ``<package hash>-<recipe hash>`` and must
+always mean the same bytes; pyxis/enroot imports are cached by it on /fsx/images), encrypted
+with the platform KMS key, a lifecycle rule that expires untagged images beyond the last
+``KEEP_UNTAGGED`` (tagged images are the record of what ran and are kept), and a repository
+policy that lets only the cluster execution role pull (no ``*`` principal; pushes come from the
+platform team's own IAM identities, which the account grants, not this policy).
+Properties: AWS::ECR::Repository (CloudFormation User Guide): ImageScanningConfiguration.ScanOnPush,
+ImageTagMutability IMMUTABLE, EncryptionConfiguration {EncryptionType: KMS, KmsKey},
+LifecyclePolicy, RepositoryPolicyText.
+"""
+
+from __future__ import annotations
+
+import aws_cdk as cdk
+from aws_cdk import aws_ecr as ecr
+from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from constructs import Construct
+
+from stacks.common import acknowledge
+
+IMAGE_KINDS = ("gpu", "neuron")
+KEEP_UNTAGGED = 5
+# What `enroot import docker://...` (and docker/podman pull) calls on a repository
+# (Amazon ECR User Guide, "Repository policy examples": pull = these three).
+PULL_ACTIONS = ["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"]
+
+
+def repository_name(project: str, kind: str) -> str:
+    return f"{project}/sana-{kind}"
+
+
+class ImageRepositories(Construct):
+    """``repositories[kind]`` for every image kind, pullable by ``pull_role`` only."""
+
+    def __init__(self, scope: Construct, id: str, *, project: str, key: kms.IKey, pull_role: iam.IRole,
+                 removal_policy: cdk.RemovalPolicy) -> None:
+        super().__init__(scope, id)
+        self.repositories: dict[str, ecr.Repository] = {}
+        for kind in IMAGE_KINDS:
+            repo = ecr.Repository(
+                self, kind.capitalize(), repository_name=repository_name(project, kind),
+                image_scan_on_push=True, image_tag_mutability=ecr.TagMutability.IMMUTABLE,
+                encryption=ecr.RepositoryEncryption.KMS, encryption_key=key,
+                lifecycle_rules=[ecr.LifecycleRule(
+                    description=f"keep the last {KEEP_UNTAGGED} untagged images", tag_status=ecr.TagStatus.UNTAGGED,
+                    max_image_count=KEEP_UNTAGGED)],
+                removal_policy=removal_policy, empty_on_delete=False)
+            repo.add_to_resource_policy(iam.PolicyStatement(
+                sid="PullByClusterNodes", principals=[iam.ArnPrincipal(pull_role.role_arn)],
+                actions=PULL_ACTIONS))
+            self.repositories[kind] = repo
+        # The registry login token (`aws ecr get-login-password`, which enroot's credentials file
+        # uses): ecr:GetAuthorizationToken has no resource-level permissions, only "*".
+        # A managed policy (HIPAA.Security-IAMNoInlinePolicy), attached to the role here.
+        self.login_policy = iam.ManagedPolicy(self, "RegistryLogin", roles=[pull_role], statements=[
+            iam.PolicyStatement(sid="EcrLogin", actions=["ecr:GetAuthorizationToken"], resources=["*"])])
+        acknowledge(self.login_policy, "AwsSolutions::AwsSolutions-IAM5[Resource::*]",
+                    "ecr:GetAuthorizationToken does not support resource-level permissions (Service "
+                    "Authorization Reference, Amazon ECR); the token only lets the nodes reach the "
+                    "registry, and each repository's policy decides what they may pull.")

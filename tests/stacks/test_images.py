@@ -1,0 +1,64 @@
+"""ECR repositories for the training images (stacks/images.py) as synthesized."""
+
+from __future__ import annotations
+
+import json
+
+from stacks.images import IMAGE_KINDS, KEEP_UNTAGGED, PULL_ACTIONS
+
+
+def _repos(synth) -> dict[str, dict]:
+    return {res["Properties"]["RepositoryName"]: res for res in synth.resources("Cluster", "AWS::ECR::Repository").values()}
+
+
+def _execution_role_id(synth) -> str:
+    roles = [rid for rid, res in synth.resources("Cluster", "AWS::IAM::Role").items()
+             if "sagemaker.amazonaws.com" in json.dumps(res["Properties"]["AssumeRolePolicyDocument"])]
+    (role,) = roles
+    return role
+
+
+def test_one_repository_per_image_scanned_immutable_kms_with_the_platform_key(default):
+    from test_templates import platform_key_import
+
+    repos = _repos(default)
+    assert set(repos) == {f"sana/sana-{kind}" for kind in IMAGE_KINDS}
+    key = platform_key_import(default)
+    for res in repos.values():
+        props = res["Properties"]
+        assert props["ImageScanningConfiguration"] == {"ScanOnPush": True}
+        assert props["ImageTagMutability"] == "IMMUTABLE"
+        assert props["EncryptionConfiguration"] == {"EncryptionType": "KMS", "KmsKey": key}
+        assert res["DeletionPolicy"] == "Retain"  # dataRemovalPolicy=retain (cdk.json default)
+
+
+def test_lifecycle_rule_expires_untagged_images_beyond_the_last_n(default):
+    for res in _repos(default).values():
+        policy = json.loads(res["Properties"]["LifecyclePolicy"]["LifecyclePolicyText"])
+        (rule,) = policy["rules"]
+        assert rule["selection"] == {"tagStatus": "untagged", "countType": "imageCountMoreThan",
+                                     "countNumber": KEEP_UNTAGGED}
+        assert rule["action"] == {"type": "expire"}
+
+
+def test_only_the_cluster_execution_role_may_pull(default):
+    role = _execution_role_id(default)
+    for name, res in _repos(default).items():
+        (statement,) = res["Properties"]["RepositoryPolicyText"]["Statement"]
+        assert statement["Effect"] == "Allow"
+        assert statement["Principal"] == {"AWS": {"Fn::GetAtt": [role, "Arn"]}}, name
+        assert sorted(statement["Action"]) == sorted(PULL_ACTIONS)
+        assert "*" not in json.dumps(statement["Principal"])
+
+
+def test_execution_role_may_log_in_to_the_registry(default):
+    role = _execution_role_id(default)
+    policies = [res["Properties"] for res in default.resources("Cluster", "AWS::IAM::ManagedPolicy").values()
+                if {"Ref": role} in res["Properties"].get("Roles", [])]
+    statements = [st for p in policies for st in p["PolicyDocument"]["Statement"]]
+    assert {"Sid": "EcrLogin", "Effect": "Allow", "Action": "ecr:GetAuthorizationToken", "Resource": "*"} in statements
+
+
+def test_repository_uris_are_outputs(default):
+    outputs = default.templates["Cluster"]["Outputs"]
+    assert {"GpuImageRepositoryUri", "NeuronImageRepositoryUri"} <= set(outputs)
