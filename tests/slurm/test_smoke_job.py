@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +20,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.slurm.conftest import install_package, point_current
-from tests.slurm.test_train_jobs import make_env  # python_env.sh's layout, runnable by the job user
+from tests.slurm.job_site import free_port, make_env, write_node_profile
 from training.smoke import FAIL, PASS, checks
 
 if TYPE_CHECKING:  # conftest modules are not importable by name (several share it)
@@ -33,12 +31,6 @@ pytestmark = [pytest.mark.slurm]
 REPO = Path(__file__).resolve().parents[2]
 #: generous: the sub-jobs start torchrun twice and compile trn_smoke on 2 shared CPU cores
 JOB_TIMEOUT = 600
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_node_state_check_reads_real_sinfo_and_fails_on_a_drained_node(slurm_cluster: SlurmCluster):
@@ -57,19 +49,6 @@ def test_node_state_check_reads_real_sinfo_and_fails_on_a_drained_node(slurm_clu
     finally:
         slurm_cluster.run("scontrol", "update", f"nodename={slurm_cluster.node}", "state=resume")
         slurm_cluster.wait_node_idle(timeout=60)
-
-
-def write_node_profile(node_root: Path, *, fsx: Path, rdzv_port: int) -> Path:
-    """The gpu node profile exactly as provisioning writes it (lifecycle_scripts/node_profile.sh)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SANA_")}
-    env.update(PLATFORM_ROOT=str(node_root), NODE_ROLE="gpu", NODE_GROUP="gpu", FSX=str(fsx),
-               ENV_GPU_DIR=str(fsx / "envs" / "gpu"), ENV_NEURON_DIR=str(fsx / "envs" / "neuron"),
-               CFG_RDZV_PORT=str(rdzv_port), CFG_REGION="us-east-1", CFG_PROJECT="sana-test",
-               CFG_CLUSTER_NAME="localhost", CFG_ARTEFACTS_BUCKET="artefacts", CFG_DATA_BUCKET="data")
-    proc = subprocess.run(["bash", str(REPO / "lifecycle_scripts" / "node_profile.sh")], env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, f"lifecycle_scripts/node_profile.sh failed: {proc.stderr}"
-    return node_root / "etc" / "profile.d" / "sana-platform.sh"
 
 
 @pytest.fixture
@@ -101,7 +80,7 @@ def site(slurm_cluster: SlurmCluster) -> Iterator[Path]:
 def submit_smoke(cluster: SlurmCluster, fsx: Path, **extra: str) -> tuple[dict[str, str], str, int]:
     """sbatch smoke.sbatch as the job user from the installed package; (job info, output, id)."""
     port = free_port()
-    profile = write_node_profile(fsx.parent / "node-gpu", fsx=fsx, rdzv_port=port)
+    profile = write_node_profile(fsx.parent / "node-gpu", role="gpu", fsx=fsx, rdzv_port=port)
     assert f"SANA_ENV_NEURON='{fsx}/envs/neuron'" in profile.read_text()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SANA_")}
     # What a login shell exports: the profile's FSx and envs (the login profile has them), the
