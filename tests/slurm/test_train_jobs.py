@@ -221,7 +221,7 @@ def test_train_gpu_sbatch_completes_with_checkpoints_and_logs_where_the_runbook_
     assert f"package {site.package} hash={site.package.name} (pinned at first start" in job_log
     assert f"env {site.envs['gpu']} requirements_hash={site.env_keys['gpu']}" in job_log
     assert "nproc_per_node=2" in job_log
-    assert f"rdzv_id={job_id}" in job_log
+    assert f"--rdzv-id={job_id}" in job_log  # the torchrun line launch.sh prints
     assert "'world_size': 2" in job_log, job_log[-2000:]
     # srun without --auto-resume: the HyperPod marker directory does not exist here.
     assert "--auto-resume" not in job_log
