@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Step "profile": /etc/profile.d/sana-platform.sh, THE one place the environment of the
-# training package's job scripts is defined (CONTRACT.md, node profile contract). Login
+# training package's job scripts is defined (read by training/slurm/launch.sh). Login
 # shells source it; training/slurm/launch.sh sources it on every node of a job.
 # It is sourced by sh as well as bash (/etc/profile), so it is plain POSIX `export`s. It
 # holds no timestamp: re-provisioning writes the same bytes.

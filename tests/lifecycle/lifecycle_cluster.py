@@ -101,7 +101,7 @@ LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ) \[([\w-]+)\] (.*)$")
 
 
 def settings(package_hash: str) -> dict:
-    """platform-settings.json as the cluster stack writes it (CONTRACT.md)."""
+    """platform-settings.json as the cluster stack writes it (stacks/config.py PlatformConfig.settings)."""
     return {
         "project": "sana", "cluster_name": "sana-test", "region": "eu-west-1",
         "fsx_mount": "/fsx",

@@ -57,8 +57,8 @@ load_node_profile() {
   echo "launch.sh: loaded node profile $profile"
 }
 
-# Defaults equal what the lifecycle profile writes on the cluster (CONTRACT.md, node
-# profile contract), so a node without the profile still finds FSx.
+# Defaults equal what the lifecycle profile writes on the cluster
+# (lifecycle_scripts/node_profile.sh), so a node without the profile still finds FSx.
 apply_defaults() {
   export SANA_FSX=${SANA_FSX:-/fsx}
   export SANA_PLATFORM_DIR=${SANA_PLATFORM_DIR:-$SANA_FSX/platform/current}
