@@ -17,6 +17,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def skip_or_fail(reason: str, *, required_by: str) -> None:
+    """Skip locally; fail where ``required_by`` is "1" (.ci/run sets it: in CI `make test` has
+    built everything, so a missing piece is a broken set-up, not a reason to skip)."""
+    if os.environ.get(required_by) == "1":
+        pytest.fail(f"{required_by}=1: {reason}")
+    pytest.skip(reason)
+
+
+def xla_python() -> Path:
+    """.venv-xla's interpreter (torch-xla on PJRT CPU), or skip/fail as ``skip_or_fail`` says."""
+    python = REPO / ".venv-xla" / "bin" / "python"
+    if not python.exists():
+        skip_or_fail(".venv-xla not built (make setup-xla)", required_by="SANA_REQUIRE_ALL")
+    return python
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.conftest import xla_python
 from tests.slurm.conftest import install_package, point_current
 from tests.slurm.job_site import free_port, make_env, write_node_profile
 from training.smoke import FAIL, PASS, checks
@@ -123,8 +124,7 @@ def test_smoke_sbatch_local_path_passes_every_row(slurm_cluster: SlurmCluster, s
                                                   s3_endpoint: str, s3_bucket: str):
     """`sbatch smoke.sbatch` as the unprivileged job user, from the read-only installed
     package: every row of the local path PASSes and the job exits 0."""
-    if not (REPO / ".venv-xla" / "bin" / "python").exists():
-        pytest.skip(".venv-xla not built (make setup-xla): the Trainium sub-job runs in it")
+    xla_python()  # the Trainium sub-job runs in it
     from tests.training.test_smoke import ready  # the READY line in readiness.sh's format
 
     fsx = site

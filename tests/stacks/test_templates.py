@@ -8,6 +8,8 @@ import re
 import pytest
 from aws_cdk.assertions import Match
 
+from tests.conftest import skip_or_fail
+
 pytestmark = pytest.mark.slow  # the shared session synth takes ~30-60 s on the 2-core machine
 
 
@@ -338,7 +340,8 @@ def test_uploaded_files_are_exactly_the_hashed_files(default):
     from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_files, package_hash
 
     if not default.package_hash or package_hash(LIFECYCLE_DIR, TRAINING_DIR) != default.package_hash:
-        pytest.skip("lifecycle_scripts/ or training/ changed since the synth (shared checkout)")
+        skip_or_fail("lifecycle_scripts/ or training/ changed since the synth (shared checkout)",
+                     required_by="SANA_REQUIRE_ALL")
     assets = [d for d in default.outdir.glob("asset.*") if d.is_dir()]
     listed = {tuple(sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())) for d in assets}
     for root in (LIFECYCLE_DIR, TRAINING_DIR):

@@ -19,6 +19,7 @@ from pathlib import Path
 import boto3
 import pytest
 
+from tests.conftest import xla_python
 from training.smoke import FAIL, PASS, SKIP, Row, checks, exit_code, render
 from training.smoke.parse import (
     NodeState,
@@ -291,9 +292,7 @@ def test_installed_versions_of_the_xla_test_env_match_the_pins():
     """The collector, run for real in .venv-xla (built with requirements-neuron.txt's torch
     and torch-xla pins): on the local path those two are compared, the Neuron-host-only
     components are not required."""
-    python = REPO / ".venv-xla" / "bin" / "python"
-    if not python.exists():
-        pytest.skip(".venv-xla not built (make setup-xla)")
+    python = xla_python()
     out = subprocess.run([str(python), "-m", "training.smoke", "versions"], capture_output=True, text=True,
                          cwd=REPO, timeout=120, check=True).stdout
     installed = json.loads(out)

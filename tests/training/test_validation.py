@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.conftest import xla_python
 from training.backends.gpu import GpuBackend
 from training.config import config_from_dict, load_yaml
 from training.data import FeatureLoader, write_synthetic_features
@@ -280,9 +281,7 @@ def test_on_xla_validation_renders_on_the_host_and_changes_nothing_in_training(f
     """The Trainium backend on torch-xla's CPU device (.venv-xla): a run with validation ends
     bit-identical to one without (the XLA seed survives the render's mark_steps), and once the
     step graph is compiled a validated run compiles nothing new."""
-    python = REPO / ".venv-xla" / "bin" / "python"
-    if not python.exists():
-        pytest.skip(".venv-xla not built (make setup-xla)")
+    python = xla_python()
     tree = load_yaml(REPO / "training/configs/tiny-cpu.yaml")
     tree.update(max_steps=4, tensorboard=False, log_every=2)
     tree["data"].update(path=str(features), prefetch=0)
