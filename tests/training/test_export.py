@@ -12,11 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from training.backends.gpu import GpuBackend
+from tests.training.cpu_run import train_on_cpu
 from training.config import config_from_dict, load_yaml
 from training.data import write_synthetic_features
 from training.export import main
-from training.loop import train
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTIONS = ["a red square on a white background", "a blue circle in the sky", "a green tree by a lake",
@@ -35,12 +34,7 @@ def run_dir(tmp_path_factory) -> Path:
     tree["checkpoint"].update(every_steps=2)
     tree["ema"] = {"decay": 0.5}
     cfg = config_from_dict(tree)
-    backend = GpuBackend(cfg.gpu, precision=cfg.precision)
-    backend.init()
-    try:
-        train(cfg, backend)
-    finally:
-        backend.close()
+    train_on_cpu(cfg)
     return base / "run"
 
 

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.training.cpu_run import train_on_cpu
 from training.backends.gpu import GpuBackend
 from training.config import TrainConfig, config_from_dict
 from training.data import write_synthetic_features
 from training.errors import UserError
-from training.loop import forward_backward, train, train_step
+from training.loop import forward_backward, train_step
 from training.model import ModelConfig, build_model
 from training.objective import ObjectiveConfig, RectifiedFlow
 from training.optim import OptimConfig, build_scheduler, lr_multiplier
@@ -49,12 +50,7 @@ def tiny_config(features: Path, out: Path, **over) -> TrainConfig:
 
 
 def run(cfg: TrainConfig):
-    backend = GpuBackend(cfg.gpu, precision=cfg.precision)
-    backend.init()
-    try:
-        return train(cfg, backend)
-    finally:
-        backend.close()
+    return train_on_cpu(cfg)
 
 
 def test_tiny_run_logs_saves_and_resumes(features: Path, tmp_path: Path) -> None:

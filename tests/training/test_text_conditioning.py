@@ -15,11 +15,10 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
-from training.backends.gpu import GpuBackend
+from tests.training.cpu_run import train_on_cpu
 from training.config import config_from_dict, load_yaml
 from training.data import FeatureIndex, write_synthetic_features
 from training.export import main as export_main
-from training.loop import train
 from training.precompute import main as precompute
 from training.text_features import (
     SANA_CHI,
@@ -147,12 +146,7 @@ def run_tiny(features_dir: Path, out: Path, **model) -> Path:
     tree["checkpoint"].update(every_steps=2)
     tree["model"].update(model)
     cfg = config_from_dict(tree)
-    backend = GpuBackend(cfg.gpu, precision=cfg.precision)
-    backend.init()
-    try:
-        train(cfg, backend)
-    finally:
-        backend.close()
+    train_on_cpu(cfg)
     return out / "checkpoints" / "step-00000002"
 
 

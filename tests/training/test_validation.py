@@ -21,11 +21,11 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import xla_python
+from tests.training.cpu_run import train_on_cpu
 from training.backends.gpu import GpuBackend
 from training.config import config_from_dict, load_yaml
 from training.data import FeatureLoader, write_synthetic_features
 from training.errors import UserError
-from training.loop import train
 from training.precompute import main as precompute
 from training.text_features import SANA_CHI
 from training.tiny_components import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
@@ -72,12 +72,7 @@ def config(features: Path, out: Path, max_steps: int, **validation):
 
 def run(cfg, resume: str = "none"):
     cfg.checkpoint.resume = resume
-    backend = GpuBackend(cfg.gpu, precision=cfg.precision)
-    backend.init()
-    try:
-        return train(cfg, backend)
-    finally:
-        backend.close()
+    return train_on_cpu(cfg)
 
 
 def final(out: Path, step: int) -> dict:
