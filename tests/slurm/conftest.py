@@ -256,11 +256,18 @@ class SlurmCluster:
     def sacct(self, *job_ids: int) -> dict[int, dict[str, str]]:
         """The accounting database's record of each job (allocations only, `sacct -X`):
         {job id: {"State": ..., "User": ..., "JobName": ..., "ExitCode": ...}}."""
-        fields = ("JobID", "JobName", "User", "State", "ExitCode")
+        fields = ("JobID", "JobName", "User", "State", "ExitCode", "Submit")
         out = self.run("sacct", "-X", "-n", "-P", "--starttime=now-1days", "-o", ",".join(fields),
                        "-j", ",".join(map(str, job_ids)))
         rows = [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines() if line]
-        return {int(row.pop("JobID")): row for row in rows}
+        # NOTE: slurmdbd keys a job record by (job id, submit time), so one id can have more
+        # than one record (seen once here: an extra root 'allocation' record under the id of a
+        # test job). The job this controller just ran is the newest submission of that id.
+        newest: dict[int, dict[str, str]] = {}
+        for row in sorted(rows, key=lambda r: r["Submit"]):
+            newest[int(row.pop("JobID"))] = row
+            row.pop("Submit")
+        return newest
 
     def logs(self) -> str:
         parts = []
