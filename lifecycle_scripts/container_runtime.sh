@@ -55,7 +55,8 @@ local_scratch() {
       return 0
     fi
   done
-  log "WARNING: neither /opt/dlami/nvme nor /opt/sagemaker is mounted; enroot unpacks images under /tmp"
+  # On stderr: stdout is this function's value (the scratch path), captured below.
+  log "WARNING: neither /opt/dlami/nvme nor /opt/sagemaker is mounted; enroot unpacks images under /tmp" >&2
   echo "${PLATFORM_ROOT}/tmp"
 }
 scratch=$(local_scratch)

@@ -91,6 +91,22 @@ def test_falls_back_to_opt_sagemaker_and_accepts_pyxis_through_an_include(tmp_pa
     assert conf(root)["ENROOT_DATA_PATH"] == "/opt/sagemaker/tmp/enroot/data/user-$(id -u)"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to the cluster group needs root (as on a node)")
+def test_without_local_nvme_enroot_uses_tmp_and_the_warning_is_not_taken_for_a_path(tmp_path):
+    # The warning once went to stdout inside $(local_scratch): the "scratch path" became the
+    # warning text plus /tmp, relative to the working directory, and enroot.conf got a two-line path.
+    root, env = node(tmp_path, mounts="/dev/root / ext4 rw 0 0\n")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    done = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60, cwd=work)
+    assert done.returncode == 0, done.stderr
+    assert "neither /opt/dlami/nvme nor /opt/sagemaker is mounted" in done.stderr
+    assert conf(root)["ENROOT_DATA_PATH"] == "/tmp/tmp/enroot/data/user-$(id -u)"
+    assert conf(root)["ENROOT_TEMP_PATH"] == "/tmp/tmp"
+    assert (root / "tmp/tmp/enroot/data").is_dir()
+    assert list(work.iterdir()) == []
+
+
 @pytest.mark.parametrize("kwargs,expected", [
     ({"enroot": False}, "enroot is not installed on this node;"),
     ({"plugstack": None}, "pyxis is not registered in "),
