@@ -33,6 +33,7 @@
 #   trn         ... -> env-neuron (build /fsx/envs/neuron once per cluster) -> containers -> ready
 #   login       ... -> env-gpu (only the base Python the GPU env links to) -> containers -> ready
 #   (containers: enroot + pyxis checked and configured for container jobs; not on the controller)
+#   controller  ... -> accounts (slurmAccounting=true: Slurm account + user associations) -> ready
 #
 # Every line goes to stdout (HyperPod ships it to CloudWatch) and to
 # /var/log/provision/provisioning.log. A failure ends with ONE line
@@ -131,6 +132,10 @@ main() {
   # node; the controller runs none.
   case $NODE_ROLE in
     gpu | trn | login) run_step containers container_runtime.sh ;;
+  esac
+  # With slurmAccounting=true: the cluster group's Slurm account and one association per user.
+  case $NODE_ROLE in
+    controller) run_step accounts slurm_accounts.sh ;;
   esac
   run_step ready readiness.sh
   log "READY node=$NODE_NAME role=$NODE_ROLE in $((SECONDS - started))s"

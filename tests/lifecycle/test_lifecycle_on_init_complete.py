@@ -18,7 +18,7 @@ import pytest
 from lifecycle_cluster import GROUP, LOG_LINE, NODES, SLURM_DAEMON, USERS, Cluster, make_bundle
 
 STEPS = {
-    "controller": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "ready"],
+    "controller": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "accounts", "ready"],
     "login": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
     "gpu": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
     "trn": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-neuron", "containers", "ready"],

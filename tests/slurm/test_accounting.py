@@ -8,7 +8,10 @@ records carry the user who really submitted.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -16,11 +19,11 @@ import pytest
 from tests.slurm.conftest import skip_unless_required
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from tests.slurm.conftest import SlurmCluster
 
 pytestmark = [pytest.mark.slurm]
+
+ACCOUNTS_STEP = Path(__file__).resolve().parents[2] / "lifecycle_scripts" / "slurm_accounts.sh"
 
 
 def submit_wrap(cluster: SlurmCluster, cwd: Path, *, name: str, command: str, user: str | None) -> int:
@@ -54,3 +57,48 @@ def test_sacct_reads_the_finished_jobs_back_from_the_database_with_state_and_use
     assert records[ok] == {"JobName": "acct-ok", "User": user, "State": "COMPLETED", "ExitCode": "0:0"}
     assert records[failed] == {"JobName": "acct-fail", "User": user, "State": "FAILED", "ExitCode": "3:0"}
     assert records[as_root]["User"] == "root" and records[as_root]["State"] == "COMPLETED"
+
+
+def test_the_accounts_step_adds_the_group_account_and_user_associations_once(slurm_cluster: SlurmCluster,
+                                                                             tmp_path: Path) -> None:
+    """lifecycle_scripts/slurm_accounts.sh against the real slurmdbd: the account, one association
+    per cluster user (names lower-cased, as Slurm stores them), a re-run that adds nothing, and a
+    job submitted under the account recorded with it."""
+    if not slurm_cluster.accounting:
+        skip_unless_required(slurm_cluster.no_accounting_reason)
+    user = slurm_cluster.user
+    assert user is not None
+    group = f"Sana{os.getpid()}"
+    env = slurm_cluster.env(CFG_CLUSTER_GROUP=group, CFG_SLURM_ACCOUNTING="true", PLATFORM_ROOT=str(tmp_path),
+                            CFG_CLUSTER_USERS=f"{user}:2001 Researcher{os.getpid()}:2002", LIFECYCLE_SLURM_WAIT_S="30")
+    first = subprocess.run(["bash", str(ACCOUNTS_STEP)], env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    account = group.lower()
+    assocs = slurm_cluster.run("sacctmgr", "-n", "-P", "show", "assoc", "where", f"account={account}",
+                               "format=account,user")
+    users = {line.split("|")[1] for line in assocs.splitlines() if line.split("|")[1]}
+    assert users == {user, f"researcher{os.getpid()}"}
+    again = subprocess.run(["bash", str(ACCOUNTS_STEP)], env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "added nobody" in again.stdout and "added Slurm account" not in again.stdout
+
+    cwd = slurm_cluster.job_user.home
+    script = cwd / "acct-account.sh"
+    script.write_text("#!/bin/bash\ntrue\n")
+    script.chmod(0o755)
+    job = slurm_cluster.sbatch(script, options=("--job-name=acct-account", f"--account={account}",
+                                                f"--output={cwd}/acct-account-%j.out"), env={}, cwd=cwd, user=user)
+    slurm_cluster.wait(job, timeout=120)
+    deadline = time.monotonic() + 60
+    while not (row := slurm_cluster.run("sacct", "-X", "-n", "-P", "-j", str(job), "-o", "Account,State").strip()) \
+            or "COMPLETED" not in row:
+        assert time.monotonic() < deadline, f"sacct has no completed record of job {job}: {row!r}"
+        time.sleep(1)
+    assert row.splitlines()[-1] == f"{account}|COMPLETED"
+
+
+def test_the_accounts_step_does_nothing_without_accounting(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "CFG_CLUSTER_GROUP": "sana", "CFG_SLURM_ACCOUNTING": "false",
+           "CFG_CLUSTER_USERS": "alice:2001", "PLATFORM_ROOT": str(tmp_path)}
+    done = subprocess.run(["bash", str(ACCOUNTS_STEP)], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "Slurm accounting is off" in done.stdout
