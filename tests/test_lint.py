@@ -17,7 +17,8 @@ def test_ruff_clean():
 
 def test_shellcheck_clean_everywhere():
     scripts = sorted({*REPO.glob("lifecycle_scripts/*.sh"), *REPO.glob("training/slurm/*.sh"),
-                      *REPO.glob("training/slurm/*.sbatch"), *REPO.glob("scripts/*.sh"), REPO / ".ci" / "run"})
+                      *REPO.glob("training/slurm/*.sbatch"), *REPO.glob("scripts/*.sh"), *REPO.glob("benchmarks/*.sh"),
+                      REPO / ".ci" / "run"})
     assert len(scripts) > 10
     proc = subprocess.run([str(BIN / "shellcheck"), "-x", *map(str, scripts)], cwd=REPO,
                           capture_output=True, text=True)

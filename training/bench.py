@@ -3,6 +3,9 @@
     python -m training.bench --backend gpu --config training/configs/sana-600m-512.yaml \\
         --steps 50 --warmup 10 --synthetic --instance-type ml.p5.48xlarge --out result.json
     python -m training.bench --overhead          # loop-vs-bare-step overhead check (CPU)
+    python -m training.bench --config training/configs/sana-600m-512.yaml --synthetic \
+        --compare-reference --warmup 3 --steps 5 --repetitions 4 --out cmp.json  # vs diffusers-style step
+    python -m training.bench --memory-table      # per-GPU memory, every GPU config x mesh x checkpointing
 
 The measured step is the production one: bench calls ``training.loop.train`` (the same loop,
 objective, backend and data loader as ``python -m training.gpu`` / ``training.trainium``)
@@ -17,7 +20,11 @@ step). The p50/p90 come from the loop's per-step host times, which in steady sta
 the device's pace (the launch queue / XLA pipeline throttles the host).
 
 Throughput is reported per accelerator (per rank), per instance and in total; MFU uses
-``training.flops`` (analytic model x samples/s per accelerator / published dense peak).
+``training.flops`` (analytic model x samples/s per accelerator / published dense peak) on the
+real caption tokens of the timed steps' batches, ``mfu_padded`` on the tokens computed
+(training/text_trim.py). On the GPU backend the per-GPU memory estimate (training/memory.py)
+is printed and checked before anything is built. ``--compare-reference`` times our step and
+training/reference_step.py's diffusers-style step interleaved in one process.
 The JSON schema is ``training.bench_result.BenchResult``.
 """
 
@@ -44,6 +51,7 @@ from typing import Any
 from training import flops
 from training.bench_result import BenchResult
 from training.errors import UserError, exits_cleanly
+from training.text_trim import StepTokens
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +207,10 @@ def resolve_accelerator(instance_type: str, info: dict[str, Any]) -> tuple[str, 
 # ----- the benchmark -----------------------------------------------------------------------
 
 def run_bench(cfg: Any, backend: Any, *, steps: int, warmup: int, instance_type: str = "local",
-              data_label: str | None = None, command: str = "", notes: str = "") -> BenchResult | None:
+              data_label: str | None = None, command: str = "", notes: str = "",
+              memory_estimate: dict[str, Any] | None = None) -> BenchResult | None:
     """Train ``warmup + steps`` steps through ``training.loop.train`` and measure the last
     ``steps``. ``backend`` must be initialised. Returns the result on rank 0, None elsewhere."""
-    from training.data import FeatureIndex
     from training.loop import train
 
     if steps < 1 or warmup < 1:
@@ -217,19 +225,36 @@ def run_bench(cfg: Any, backend: Any, *, steps: int, warmup: int, instance_type:
         return None
     if result.steps != warmup + steps or clock.t_start is None or clock.t_end is None:
         raise RuntimeError(f"bench: the loop ran {result.steps} steps, expected {warmup + steps}")
-    timed = result.step_times[warmup:]
-    seconds = clock.t_end - clock.t_start
+    return build_result(cfg, backend, seconds=clock.t_end - clock.t_start, steps=steps, warmup=warmup,
+                        step_times=result.step_times[warmup:], samples_per_step=result.samples_per_step,
+                        window=sum(result.step_tokens[warmup:], StepTokens()),  # the timed steps' batches
+                        final_loss=result.final_loss, compiles=(clock.compiles_at_start, clock.compiles_at_end),
+                        instance_type=instance_type, data_label=data_label, command=command, notes=notes,
+                        memory_estimate=memory_estimate)
+
+
+def build_result(cfg: Any, backend: Any, *, seconds: float, steps: int, warmup: int, step_times: Sequence[float],
+                 samples_per_step: int, window: StepTokens, final_loss: float | None,
+                 compiles: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
+                 instance_type: str = "local", data_label: str | None = None, command: str = "",
+                 notes: str = "", memory_estimate: dict[str, Any] | None = None,
+                 reference: dict[str, Any] | None = None) -> BenchResult:
+    """The result of ``steps`` timed steps (``seconds`` device-synchronised wall time) that ran
+    on the batches counted in ``window``."""
+    from training.data import FeatureIndex
+
+    timed = list(step_times)
     info = backend.describe()
     index = FeatureIndex.load(cfg.data.path)
-    model_kwargs = cfg.model.model_kwargs()
     _, lat_h, lat_w = index.latent_shape
-    flops_per_sample = flops.train_flops_per_sample(model_kwargs, index.max_text_tokens, (lat_h, lat_w))
+    flops_per_sample = window.per_sample("useful_flops")
+    flops_computed = window.per_sample("computed_flops")
     accelerator, accel_note = resolve_accelerator(instance_type, info)
     per_node = int(info.get("per_node") or os.environ.get("LOCAL_WORLD_SIZE", 1))
     if backend.world_size % per_node:
         per_node = backend.world_size
     nodes = backend.world_size // per_node
-    total = result.samples_per_step * steps / seconds
+    total = samples_per_step * steps / seconds
     per_accel = total / backend.world_size
     peak = flops.peak_tflops(accelerator, cfg.precision)
     spec = flops.instance_spec(instance_type) if instance_type != "local" else None
@@ -237,7 +262,7 @@ def run_bench(cfg: Any, backend: Any, *, steps: int, warmup: int, instance_type:
     if spec and per_node != spec.devices:
         note_parts.append(f"ran {per_node} ranks per node; {instance_type} has {spec.devices} devices, so "
                           "per-instance throughput and cost understate a full node")
-    compile_start, compile_end = clock.compiles_at_start, clock.compiles_at_end
+    compile_start, compile_end = compiles
     return BenchResult(
         backend=backend.name,
         device_kind=device_kind(backend, info),
@@ -254,7 +279,7 @@ def run_bench(cfg: Any, backend: Any, *, steps: int, warmup: int, instance_type:
         precision=cfg.precision,
         per_device_batch=cfg.data.batch_size,
         grad_accum_steps=cfg.optim.grad_accum_steps,
-        global_batch=result.samples_per_step,
+        global_batch=samples_per_step,
         data=data_label or str(cfg.data.path),
         bytes_per_sample=float(index.bytes_per_sample) if index.bytes_per_sample else None,
         warmup_steps=warmup,
@@ -270,12 +295,18 @@ def run_bench(cfg: Any, backend: Any, *, steps: int, warmup: int, instance_type:
         peak_tflops_per_accelerator=peak,
         peak_source=flops.ACCELERATORS[accelerator].source if peak is not None else None,
         mfu=flops.mfu(flops_per_sample, per_accel, accelerator, cfg.precision),
+        mfu_padded=flops.mfu(flops_computed, per_accel, accelerator, cfg.precision),
+        train_flops_per_sample_computed=flops_computed,
+        text_tokens_real=window.per_sample("real_text_tokens"),
+        text_tokens_computed=window.per_sample("computed_text_tokens"),
+        memory_estimate=memory_estimate,
         peak_memory_bytes=backend.peak_memory_bytes(),
         compile_count=compile_end["compiles"] if compile_end else None,
         compile_seconds=compile_end["compile_seconds"] if compile_end else None,
         compiles_in_timed_steps=(compile_end["compiles"] - compile_start["compiles"]
                                  if compile_end and compile_start else None),
-        final_loss=result.final_loss,
+        final_loss=final_loss,
+        reference=reference,
         versions=versions(),
         timestamp=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         command=command,
@@ -525,12 +556,23 @@ def parser() -> argparse.ArgumentParser:
                    help="SageMaker instance type, e.g. ml.p5.48xlarge (default $SANA_INSTANCE_TYPE or 'local')")
     p.add_argument("--notes", default="", help="free text stored in the result")
     p.add_argument("--dry-run", action="store_true",
-                   help="instead: print the per-NeuronCore HBM estimate of --config (training/memory.py) "
-                        "for --world-size ranks and exit; exit 2 if it cannot fit")
-    p.add_argument("--world-size", type=int, default=32,
-                   help="ranks the --dry-run estimate shards ZeRO-1 over (default 32: one trn1.32xlarge)")
+                   help="instead: print the memory estimate of --config (training/memory.py: per NeuronCore "
+                        "with --backend trainium, per GPU with --backend gpu) for --world-size ranks and exit; "
+                        "exit 2 if it cannot fit")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks the estimate shards over (default: 32, one trn1.32xlarge, for trainium; 8, one "
+                        "p5.48xlarge, for gpu; 16 for --memory-table)")
     p.add_argument("--overhead", action="store_true",
                    help=f"instead: loop step vs bare step on CPU fp32 (limit {OVERHEAD_LIMIT}x)")
+    p.add_argument("--compare-reference", action="store_true",
+                   help="time our step and a diffusers-style reference step (training/reference_step.py) on the "
+                        "same model, batches and precision, interleaved --repetitions times x --steps; the "
+                        "result JSON gets both (field reference) and the ratio")
+    p.add_argument("--repetitions", type=int, default=5,
+                   help="--compare-reference: interleaved (ours, reference) blocks of --steps steps each")
+    p.add_argument("--memory-table", action="store_true",
+                   help="instead: print the per-GPU memory estimate (training/memory.py) of every GPU config "
+                        "(or --config) for each mesh and activation-checkpointing mode at --world-size ranks")
     return p
 
 
@@ -553,21 +595,100 @@ def prepare_overhead_run(cfg: Any, work: Path, *, text_tokens: int = 32) -> Any:
 
 
 def main_dry_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The HBM table for ``--config`` on Trainium, and one JSON line; nothing is built or run."""
-    from training.memory import check_trainium_config
+    """The memory estimate of ``--config`` (per NeuronCore or per GPU) and one JSON line; nothing runs."""
+    from training.memory import check_gpu_config, check_trainium_config
 
-    if args.backend != "trainium":
-        raise UserError("--dry-run: estimates NeuronCore HBM; add --backend trainium")
     if not args.config:
         raise UserError("--dry-run: needs --config (e.g. training/configs/trn-sana-600m-512.yaml)")
-    if args.world_size < 1:
-        raise UserError(f"--world-size: {args.world_size} < 1; give the number of ranks (NeuronCores)")
+    world = args.world_size or (32 if args.backend == "trainium" else 8)
+    if world < 1:
+        raise UserError(f"--world-size: {world} < 1; give the number of ranks (NeuronCores / GPUs)")
     cfg = _load_cfg(args, args.config, work / "run")
+    if args.backend == "gpu":
+        gpu = check_gpu_config(cfg, world_size=world, out=sys.stdout)
+        summary = {"dry_run": True, "config": args.config, "memory_gib": gpu.as_gib()}
+        print(json.dumps(summary), flush=True)
+        return summary
     instance = None if args.instance_type == "local" else args.instance_type
-    est = check_trainium_config(cfg, world_size=args.world_size, instance_type=instance, out=sys.stdout)
+    est = check_trainium_config(cfg, world_size=world, instance_type=instance, out=sys.stdout)
     summary = {"dry_run": True, "config": args.config, "hbm_gib": est.as_gib()}
     print(json.dumps(summary), flush=True)
     return summary
+
+
+#: the GPU configs --memory-table covers by default (training/configs/sana-*.yaml)
+GPU_CONFIGS = "sana-*.yaml"
+
+
+def memory_tables(configs: Sequence[str | Path], *, world_size: int, overrides: Sequence[str] = ()) -> str:
+    """Markdown: one per-GPU memory table (training/memory.py) per config, mesh x checkpointing."""
+    from training.config import load_config
+    from training.memory import DEFAULT_GPU_GIB, gpu_memory_table
+
+    out = []
+    for path in configs:
+        argv = ["--config", str(path)]
+        for item in overrides:
+            argv += ["--set", item]
+        cfg = load_config(argv, prog="python -m training.bench")
+        kw = cfg.model.model_kwargs()
+        out += [f"**{cfg.model.preset}** (`{Path(path).name}`: batch {cfg.data.batch_size} per GPU, {cfg.precision}, "
+                f"{int(kw.get('sample_size', 32)) * VAE_DOWNSAMPLE} px, {world_size} GPUs; GiB per GPU, "
+                f"activations in brackets, over = above {DEFAULT_GPU_GIB:g} GiB)", "",
+                gpu_memory_table(cfg, world_size=world_size), ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main_memory_table(args: argparse.Namespace) -> str:
+    configs = [args.config] if args.config else sorted((Path(__file__).parent / "configs").glob(GPU_CONFIGS))
+    text = memory_tables(configs, world_size=args.world_size or 16, overrides=args.overrides)
+    print(text, end="", flush=True)
+    return text
+
+
+def compare_and_save(args: argparse.Namespace, cfg: Any, backend: Any, *, data_label: str | None,
+                     command: str, memory_estimate: dict[str, Any] | None) -> BenchResult | None:
+    """``--compare-reference``: both steps interleaved (training/reference_step.py), one result."""
+    from training.reference_step import compare
+
+    if args.steps < 1 or args.warmup < 1 or args.repetitions < 1:
+        raise UserError("--steps, --warmup and --repetitions: must all be >= 1")
+    comp = compare(cfg, backend, repetitions=args.repetitions, steps=args.steps, warmup=args.warmup)
+    if not backend.is_main:
+        return None
+    steps = args.steps * args.repetitions
+    ours = comp.samples_per_s(comp.seconds_ours)
+    theirs = comp.samples_per_s(comp.seconds_reference)
+    info = backend.describe()
+    accelerator, _ = resolve_accelerator(args.instance_type, info)
+    per_accel = theirs / backend.world_size
+    ref_tokens = comp.reference_tokens
+    reference = {
+        "samples_per_s_total": theirs, "samples_per_s_per_accelerator": per_accel, "ratio": ours / theirs,
+        "mfu": flops.mfu(ref_tokens.per_sample("useful_flops"), per_accel, accelerator, cfg.precision),
+        "mfu_padded": flops.mfu(ref_tokens.per_sample("computed_flops"), per_accel, accelerator, cfg.precision),
+        "text_tokens_computed": ref_tokens.per_sample("computed_text_tokens"),
+        "repetitions": args.repetitions, "steps_per_repetition": args.steps,
+        "seconds_ours": comp.seconds_ours, "seconds_reference": comp.seconds_reference,
+        "final_loss": comp.final_loss_reference, "weight_update_norm": comp.update_reference,
+        "weight_update_norm_ours": comp.update_ours,
+        "description": "diffusers-style step (training/reference_step.py): fp32 model, whole-model DDP, "
+                       "autocast, AdamW (foreach), no compile, padded captions",
+    }
+    per_step = [t / args.steps for t in comp.seconds_ours for _ in range(args.steps)]
+    result = build_result(cfg, backend, seconds=sum(comp.seconds_ours), steps=steps, warmup=args.warmup,
+                          step_times=per_step, samples_per_step=comp.samples_per_step, window=comp.tokens,
+                          final_loss=comp.final_loss_ours, instance_type=args.instance_type, data_label=data_label,
+                          command=command, notes=args.notes, memory_estimate=memory_estimate, reference=reference)
+    print(f"compare-reference: ours {ours:.3f} samples/s, reference {theirs:.3f} samples/s, ratio "
+          f"{ours / theirs:.3f}x; MFU ours {_pct(result.mfu)} (padded {_pct(result.mfu_padded)}), reference "
+          f"{_pct(reference['mfu'])} (padded {_pct(reference['mfu_padded'])}); {args.repetitions} interleaved "
+          f"repetitions x {args.steps} steps", flush=True)
+    return result
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 def main_overhead(args: argparse.Namespace, work: Path) -> OverheadResult:
@@ -595,9 +716,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.dry_run:
             main_dry_run(args, work)
             return
+        if args.memory_table:
+            main_memory_table(args)
+            return
         if not args.config or not args.out:
             raise UserError("--config and --out: required (or use --overhead)")
         cfg = _load_cfg(args, args.config, work / "run")
+        memory_estimate = None
+        if args.backend == "gpu":  # before anything is built: a config that cannot fit fails here
+            from training.memory import check_gpu_config
+
+            memory_estimate = check_gpu_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)),
+                                               out=sys.stdout if int(os.environ.get("RANK", 0)) == 0 else None
+                                               ).as_gib()
         backend = make_backend(args.backend, cfg)
         try:
             backend.init()
@@ -612,16 +743,23 @@ def main(argv: Sequence[str] | None = None) -> None:
                 cfg.data.path = str(path)
                 data_label = "synthetic"
             command = "python -m training.bench " + shlex.join(sys.argv[1:] if argv is None else list(argv))
-            result = run_bench(cfg, backend, steps=args.steps, warmup=args.warmup,
-                               instance_type=args.instance_type, data_label=data_label, command=command,
-                               notes=args.notes)
+            if args.compare_reference:
+                result = compare_and_save(args, cfg, backend, data_label=data_label, command=command,
+                                          memory_estimate=memory_estimate)
+            else:
+                result = run_bench(cfg, backend, steps=args.steps, warmup=args.warmup,
+                                   instance_type=args.instance_type, data_label=data_label, command=command,
+                                   notes=args.notes, memory_estimate=memory_estimate)
         finally:
             backend.close()
         if result is not None:
             result.save(args.out)
             print(json.dumps({"out": str(args.out), "samples_per_s_total": round(result.samples_per_s_total, 3),
                               "samples_per_s_per_accelerator": round(result.samples_per_s_per_accelerator, 3),
-                              "step_time_p50_s": round(result.step_time_p50_s, 4), "mfu": result.mfu}),
+                              "step_time_p50_s": round(result.step_time_p50_s, 4), "mfu": result.mfu,
+                              "mfu_padded": result.mfu_padded,
+                              **({"reference_ratio": round(result.reference["ratio"], 4)} if result.reference
+                                 else {})}),
                   flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

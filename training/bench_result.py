@@ -69,7 +69,17 @@ class BenchResult:
     train_flops_per_sample: float  # training.flops.train_flops_per_sample (fwd + bwd = 3x fwd)
     peak_tflops_per_accelerator: float | None  # dense peak for this precision (None: no published peak)
     peak_source: str | None  # where that peak comes from (datasheet / AWS doc URL)
-    mfu: float | None  # achieved FLOP/s per accelerator / peak, in [0, 1]
+    mfu: float | None  # achieved FLOP/s per accelerator / peak, in [0, 1], counting real caption tokens only
+    # (issue 17: train_flops_per_sample counts real tokens; files before it counted the padded length)
+    mfu_padded: float | None = None  # the same with every caption token the step computed (trimmed/padded)
+    train_flops_per_sample_computed: float | None = None  # FLOPs per sample at the caption length computed
+    text_tokens_real: float | None = None  # mean real caption tokens per sample in the timed window
+    text_tokens_computed: float | None = None  # mean caption length the steps ran on (text_tokens untrimmed)
+    memory_estimate: dict[str, Any] | None = None  # training/memory.py estimate per rank (GiB by component)
+    # --compare-reference: the diffusers-style step (training/reference_step.py) timed in the same run,
+    # interleaved with ours: {samples_per_s_total, samples_per_s_per_accelerator, mfu, ratio (ours / it),
+    # repetitions, steps_per_repetition, seconds_ours, seconds_reference, final_loss, description}
+    reference: dict[str, Any] | None = None
     peak_memory_bytes: int | None  # peak accelerator memory of rank 0 (None where not reported)
     compile_count: int | None  # XLA graph compilations in the whole run (Trainium; None on GPU)
     compile_seconds: float | None  # seconds spent compiling (Trainium; None on GPU)
@@ -127,6 +137,21 @@ class BenchResult:
             raise ValueError(f"mfu: must be a fraction in [0, 1], got {self.mfu}")
         if (self.mfu is None) != (self.peak_tflops_per_accelerator is None):
             raise ValueError("mfu: given without peak_tflops_per_accelerator, or the reverse")
+        if self.mfu_padded is not None and not 0 <= self.mfu_padded <= 1:
+            raise ValueError(f"mfu_padded: must be a fraction in [0, 1], got {self.mfu_padded}")
+        if self.mfu_padded is not None and self.mfu is not None and self.mfu_padded < self.mfu * (1 - 1e-9):
+            raise ValueError("mfu_padded: smaller than mfu (padded tokens only add FLOPs)")
+        for name in ("text_tokens_real", "text_tokens_computed"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= self.text_tokens:
+                raise ValueError(f"{name}: must be in (0, text_tokens={self.text_tokens}], got {value}")
+        if self.reference is not None:
+            ref = self.reference
+            sps = ref.get("samples_per_s_total")
+            if not isinstance(sps, int | float) or not sps > 0:
+                raise ValueError(f"reference: samples_per_s_total must be a number > 0, got {sps!r}")
+            if not math.isclose(float(ref.get("ratio", -1)), self.samples_per_s_total / sps, rel_tol=1e-6):
+                raise ValueError("reference: ratio disagrees with samples_per_s_total / reference samples_per_s_total")
         if self.bytes_per_sample is not None and self.bytes_per_sample <= 0:
             raise ValueError(f"bytes_per_sample: must be > 0, got {self.bytes_per_sample}")
 

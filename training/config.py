@@ -25,9 +25,11 @@ from training.checkpoint import CheckpointConfig
 from training.data import DataConfig
 from training.ema import EmaConfig
 from training.errors import UserError
+from training.lora import LoraConfig
 from training.model import ModelConfig
 from training.objective import ObjectiveConfig
 from training.optim import OptimConfig
+from training.text_trim import TextTrimConfig
 from training.validation import ValidationConfig
 
 
@@ -36,6 +38,8 @@ class TrainConfig:
     """A whole training run. Sections are passed to their component, never the whole."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    #: LoRA adapters on the (pretrained) transformer; rank 0 = full fine-tuning (training/lora.py)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
@@ -44,6 +48,7 @@ class TrainConfig:
     gpu: GpuConfig = dataclasses.field(default_factory=GpuConfig)
     trainium: NeuronConfig = dataclasses.field(default_factory=NeuronConfig)
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    text_trim: TextTrimConfig = dataclasses.field(default_factory=TextTrimConfig)
     #: "fp32" | "bf16-mixed" (fp32 master weights, bf16 compute) | "bf16" (pure bf16)
     precision: str = "bf16-mixed"
     #: optimizer steps to train to (a resumed run continues up to this count)
@@ -92,6 +97,11 @@ def _check_type(key: str, value: Any, hint: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise UserError(f"config key {key}: expected a number, got {value!r}")
         return float(value)
+    if hint is str and isinstance(value, bool):
+        # YAML 1.1 (PyYAML) reads on/off/yes/no as booleans: `gpu.memory_check: on` arrives as
+        # True. The string settings that take on/off mean exactly that; any other field's own
+        # validation then names its allowed values.
+        return "on" if value else "off"
     if hint is str and not isinstance(value, str):
         raise UserError(f"config key {key}: expected a string, got {value!r}")
     return value

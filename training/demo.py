@@ -1,7 +1,8 @@
 """``python -m training.demo --out DIR`` (``make demo``): the whole training path on this CPU.
 
-Synthetic image+caption pairs -> precompute with tiny random DC-AE / Gemma-2 / tokenizer
-(Sana's complex human instruction, plus the validation prompts) -> train the ``tiny`` preset
+Synthetic image+caption pairs of three aspect ratios -> precompute into NVlabs Sana's
+aspect-ratio buckets (the 512 table scaled to the tiny VAE) with tiny random DC-AE / Gemma-2 /
+tokenizer (Sana's complex human instruction, plus the validation prompts) -> train the ``tiny`` preset
 (checkpoint every 50 steps, a validation grid every 100) -> stop at step 150 and resume to
 300 -> export a diffusers directory -> sample one image with ``SanaPipeline`` under the
 recorded text conditioning -> print where everything went.
@@ -46,11 +47,18 @@ class Demo:
         return self.out / name
 
 
+#: (subfolder, height / width, share of the samples): three buckets of Sana's 512 table
+RAW_ASPECTS = (("square", 1.0, 0.5), ("tall", 2.0, 0.25), ("wide", 0.5, 0.25))
+
+
 def make_raw_data(demo: Demo) -> None:
-    """Image + caption pairs in the folder layout precompute reads."""
+    """Image + caption pairs of three aspect ratios, in the folder layout precompute reads."""
     from training.tiny_components import write_image_caption_folder
 
-    write_image_caption_folder(demo.path("raw"), num=demo.samples, seed=0)
+    for seed, (name, aspect, share) in enumerate(RAW_ASPECTS):
+        # width 80 (160 for wide ones, so no side is under the bucket's), height width * aspect
+        write_image_caption_folder(demo.path("raw") / name, num=round(demo.samples * share),
+                                   size=160 if aspect < 1 else 80, aspect=aspect, seed=seed)
     demo.where["raw images + captions"] = demo.path("raw")
 
 
@@ -63,7 +71,7 @@ def make_tiny_models(demo: Demo) -> None:
 
 
 def precompute(demo: Demo) -> None:
-    """Images -> DC-AE latents, captions -> Gemma-2 embeddings, as feature shards."""
+    """Images -> DC-AE latents in aspect-ratio buckets, captions -> Gemma-2 embeddings, as shards."""
     from training import precompute as pc
     from training.tiny_components import TINY_RESOLUTION
 
@@ -72,11 +80,14 @@ def precompute(demo: Demo) -> None:
     prompts.write_text("".join(f"{p}\n" for p in VALIDATION_PROMPTS))
     pc.main(["--input", str(demo.path("raw")), "--out", str(demo.path("features")),
              "--vae", str(models / "vae"), "--text-encoder", str(models / "text_encoder"),
-             "--tokenizer", str(models / "tokenizer"), "--resolution", str(TINY_RESOLUTION),
+             "--tokenizer", str(models / "tokenizer"), "--resolution", str(TINY_RESOLUTION), "--buckets", "512",
              "--max-text-tokens", "16", "--batch-size", "16", "--samples-per-shard", "32",
              "--device", "cpu", "--dtype", "fp32", "--work-dir", str(demo.path("precompute-work")),
              "--validation-prompts", str(prompts)])  # --chi: Sana's, the default
     demo.where["feature shards"] = demo.path("features")
+    index = json.loads((demo.path("features") / "index.json").read_text())
+    demo.where["aspect-ratio buckets"] = ", ".join(
+        f"{name}: {b['samples']} x {'x'.join(map(str, b['latent_shape']))}" for name, b in index["buckets"].items())
 
 
 def _train_args(demo: Demo, max_steps: int) -> list[str]:

@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from training.checkpoint import EMA_FILE, MANIFEST, MODEL_FILE, STATE_FILE, resolve_checkpoint
+from training.checkpoint.consolidate import has_part, iter_full
 from training.errors import UserError, exits_cleanly
 from training.text_features import CONDITIONING_FILE, TextConditioning
 
@@ -56,21 +56,28 @@ def model_config(ckpt: Path) -> dict[str, Any]:
     return ModelConfig(**model_section).model_kwargs()
 
 
-def export(ckpt: Path, out: Path, *, ema: bool = False, dtype: str = "fp32", overwrite: bool = False) -> Path:
+def export(ckpt: Path, out: Path, *, ema: bool = False, dtype: str = "fp32", overwrite: bool = False,
+           lora_merge: bool = False) -> Path:
     """Write the diffusers directory for ``ckpt`` to ``out`` (through a temp dir). Returns ``out``."""
     from diffusers import SanaTransformer2DModel
 
+    from training import lora
+
+    if lora.is_lora_checkpoint(ckpt):  # adapter file for load_lora_weights (+ merged transformer)
+        return lora.export_lora(ckpt, out, merge=lora_merge, ema=ema, dtype=dtype, overwrite=overwrite)
+    if lora_merge:
+        raise UserError(f"--lora-merge: {ckpt} is not a LoRA run (lora.rank 0); export without --lora-merge")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"--out: {out} exists and is not empty; choose a new directory or pass --overwrite")
-    weights = load_file(str(ckpt / MODEL_FILE))
+    # Either format; a sharded one is consolidated here, one tensor at a time (consolidate.py).
+    weights = dict(iter_full(ckpt, "model"))
     if ema:
-        if not (ckpt / EMA_FILE).exists():
-            raise UserError(f"--ema: {ckpt} has no {EMA_FILE} (the run kept no EMA); export without --ema")
-        ema_weights = load_file(str(ckpt / EMA_FILE))
-        unknown = set(ema_weights) - set(weights)
-        if unknown:
-            raise UserError(f"{ckpt}/{EMA_FILE}: keys {sorted(unknown)[:3]} are not model parameters")
-        weights.update(ema_weights)  # EMA covers the trainable parameters; buffers come from the model
+        if not has_part(ckpt, "ema"):
+            raise UserError(f"--ema: {ckpt} has no EMA weights (the run kept no EMA); export without --ema")
+        for name, tensor in iter_full(ckpt, "ema"):
+            if name not in weights:
+                raise UserError(f"{ckpt}: EMA key {name} is not a model parameter")
+            weights[name] = tensor  # EMA covers the trainable parameters; buffers come from the model
     config = {k: v for k, v in model_config(ckpt).items() if not k.startswith("_")}
     # NOTE: built on CPU, not "meta": non-persistent buffers (positional tables) are not in the
     # state dict and would stay on the meta device.
@@ -93,7 +100,7 @@ def export(ckpt: Path, out: Path, *, ema: bool = False, dtype: str = "fp32", ove
     (tmp / PROVENANCE).write_text(json.dumps({
         "checkpoint": str(ckpt.resolve()), "step": manifest["step"], "weights": "ema" if ema else "model",
         "dtype": dtype, "source_sha256": {n: m["sha256"] for n, m in manifest["files"].items()
-                                          if n in (MODEL_FILE, EMA_FILE)},
+                                          if n in (MODEL_FILE, EMA_FILE) or n.startswith("shard-rank-")},
         "provenance": provenance,
     }, indent=1))
     (tmp / CONDITIONING_FILE).write_text(json.dumps(conditioning.to_dict(), indent=1))
@@ -112,10 +119,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--ema", action="store_true", help="export the EMA weights instead of the raw ones")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype on disk (default fp32)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--lora-merge", action="store_true",
+                   help="LoRA checkpoint: also write <out>/transformer with the adapter merged in")
     p.add_argument("--cache-dir", help="where an s3:// checkpoint is downloaded (default: a temp dir)")
     args = p.parse_args(argv)
     ckpt = resolve_checkpoint(args.source, args.cache_dir)
-    out = export(ckpt, Path(args.out), ema=args.ema, dtype=args.dtype, overwrite=args.overwrite)
+    out = export(ckpt, Path(args.out), ema=args.ema, dtype=args.dtype, overwrite=args.overwrite,
+                 lora_merge=args.lora_merge)
     print(json.dumps({"checkpoint": str(ckpt), "out": str(out), "ema": args.ema, "dtype": args.dtype}), flush=True)
 
 

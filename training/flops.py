@@ -33,6 +33,10 @@ F = int(mlp_ratio*D), d = head_dim, the forward FLOPs are:
 For sana-600m-512 (L = 16*16, T = 300) this gives 0.316 TFLOP forward, 0.947 TFLOP per
 training sample.
 
+Per batch (issue 17): ``batch_train_flops`` gives the useful FLOPs (real caption tokens) and
+the computed ones (the padded or trimmed caption length the step ran on, training/text_trim.py);
+the loop and bench report MFU on the first and ``mfu_padded`` on the second.
+
 ``real_text_tokens`` (keyword, default None) replaces T in the three text terms (caption
 projection, cross-attn k/v, cross-attn scores) by the mean real caption length: the useful
 FLOPs, without the caption padding the static-shape step still computes. Callers that pass
@@ -138,6 +142,19 @@ def train_flops_per_sample(model_kwargs: Mapping[str, Any], text_tokens: int,
     model FLOPs (the recompute shows up as a lower MFU, which is the honest reading).
     """
     return 3.0 * forward_flops_per_sample(model_kwargs, text_tokens, latent_hw, real_text_tokens=real_text_tokens)
+
+
+def batch_train_flops(model_kwargs: Mapping[str, Any], latent_hw: tuple[int, int], text_tokens: int,
+                      real_text_tokens: float | None = None) -> tuple[float, float]:
+    """(useful, computed) training FLOPs per sample of one batch: ``latent_hw`` of this batch
+    (buckets change it per step), ``text_tokens`` the caption length the step computes
+    (padded, or trimmed by training/text_trim.py), ``real_text_tokens`` the batch's mean real
+    caption length (mask sum / samples; None = all real). Useful FLOPs divide into MFU
+    (``mfu``), computed ones into ``mfu_padded``."""
+    computed = train_flops_per_sample(model_kwargs, text_tokens, latent_hw)
+    if real_text_tokens is None:
+        return computed, computed
+    return train_flops_per_sample(model_kwargs, text_tokens, latent_hw, real_text_tokens=real_text_tokens), computed
 
 
 # ----- accelerator peaks -------------------------------------------------------------------

@@ -20,13 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from training import flops
+from training import flops, lora
 from training.backends.base import Backend, Batch
 from training.checkpoint import Checkpointer, TrainState
 from training.config import TrainConfig
 from training.data import FeatureIndex, FeatureLoader
 from training.ema import EMA
 from training.errors import UserError
+from training.input_pipeline import LoaderPosition
 from training.metrics import MetricsLogger
 from training.model import ModelConfig, build_model
 from training.objective import RectifiedFlow
@@ -34,6 +35,7 @@ from training.optim import OptimConfig, build_scheduler, optimizer_factory
 from training.preemption import StopRequest
 from training.provenance import run_provenance
 from training.text_features import warn_if_unexpected
+from training.text_trim import BatchTokens, StepTokens, TokenMeter, count_step, trimmed
 from training.validation import build_validation
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ class TrainResult:
     checkpoint: Path | None  # last checkpoint written (or resumed from), if any
     stopped_by: int | None = None  # the signal that stopped the run early (SIGTERM, SIGUSR1), if any
     model: nn.Module | None = None  # the prepared model, for callers that go on using it (tests)
+    #: per optimizer step, this rank's caption/image tokens and FLOPs (training/text_trim.py)
+    step_tokens: list[StepTokens] = dataclasses.field(default_factory=list)
 
 
 def forward_backward(model: nn.Module, objective: RectifiedFlow, batch: Batch, backend: Backend,
@@ -116,22 +120,41 @@ def _check_sample_size(model_cfg: ModelConfig, config: Any, index: FeatureIndex)
     raise UserError(msg)
 
 
-def _throughput_fn(cfg: TrainConfig, backend: Backend, model: nn.Module, index: FeatureIndex):
-    """(samples/s per device -> MFU or None), and tokens per sample: image tokens plus the
-    padded text tokens, the sequence lengths the step actually computes on."""
-    c, h, w = index.latent_shape
-    p = model.config.patch_size
-    tokens = (h // p) * (w // p) + index.max_text_tokens
-    flops_per_sample = flops.train_flops_per_sample(dict(model.config), index.max_text_tokens, (h, w))
+def _throughput_fn(cfg: TrainConfig, backend: Backend, model: nn.Module):
+    """(per-step token counter, window -> {mfu, mfu_padded, tokens per sample}).
+
+    FLOPs come from the batches each step actually ran (their latent size and caption
+    length, training/text_trim.py ``TokenMeter``), rank 0's batches standing for all ranks
+    as its loss does: ``mfu`` counts real caption tokens only (mask sums), ``mfu_padded``
+    the caption length computed (trimmed or padded), the figure before issue 17."""
+    kwargs = dict(model.config)
     accel = backend.describe().get("accelerator")
-    return (lambda sps: flops.mfu(flops_per_sample, sps, accel, cfg.precision)), tokens
+
+    def per_sample(hw: tuple[int, int], computed: int, real: float | None) -> float:
+        if cfg.lora.enabled:  # frozen base: no weight gradients, fewer input gradients (training/lora.py)
+            return lora.train_flops_per_sample(kwargs, computed, hw, cfg=cfg.lora, real_text_tokens=real)
+        return flops.train_flops_per_sample(kwargs, computed, hw, real_text_tokens=real)
+
+    def count(parts: list[BatchTokens]) -> StepTokens:
+        return count_step(parts, per_sample, patch_size=int(model.config.patch_size))
+
+    def rates(window: StepTokens, sps_per_device: float) -> dict[str, float | None]:
+        return {"mfu": flops.mfu(window.per_sample("useful_flops"), sps_per_device, accel, cfg.precision),
+                "mfu_padded": flops.mfu(window.per_sample("computed_flops"), sps_per_device, accel, cfg.precision),
+                "tokens_per_sample": window.per_sample("image_tokens") + window.per_sample("computed_text_tokens"),
+                "text_tokens_real": window.per_sample("real_text_tokens"),
+                "text_tokens_computed": window.per_sample("computed_text_tokens")}
+
+    return count, rates
 
 
 def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
     """Train to ``cfg.max_steps`` optimizer steps (resuming per ``cfg.checkpoint.resume``)."""
     torch.manual_seed(cfg.seed)  # same on every rank: init and the objective's global draw
-    loader = FeatureLoader.from_config(cfg.data, rank=backend.rank, world_size=backend.world_size)
-    raw = build_model(cfg.model)
+    # bucket_run: the micro-batches of one optimizer step share a bucket (one shape per step graph)
+    loader = FeatureLoader.from_config(cfg.data, rank=backend.rank, world_size=backend.world_size,
+                                       bucket_run=cfg.optim.grad_accum_steps)
+    raw = lora.apply_lora(build_model(cfg.model), cfg.lora)  # frozen base + adapters before any wrapping
     check_compatible(cfg.model, raw, loader.index)
     warn_if_unexpected(cfg.model.pretrained, raw, loader.index.text_conditioning, source=loader.index.source,
                        enabled=backend.is_main)
@@ -145,12 +168,13 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
                               null_text=null_text.to(backend.device), null_mask=null_mask.to(backend.device),
                               rank=backend.rank, world_size=backend.world_size)
     ckpt = Checkpointer(cfg.checkpoint, backend, output_dir=cfg.output_dir, run_config=cfg.to_dict(),
-                        provenance=run_provenance(text_conditioning=loader.index.text_conditioning.to_dict()))
+                        provenance=run_provenance(text_conditioning=loader.index.text_conditioning.to_dict()),
+                        frozen_from=cfg.model.pretrained)
     state = TrainState()
     last_ckpt = ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler, ema=ema, loader=loader,
                              state=state)
     global_batch = cfg.data.batch_size * backend.world_size * cfg.optim.grad_accum_steps
-    mfu_of, tokens_per_sample = _throughput_fn(cfg, backend, inner, loader.index)
+    count_tokens, rates_of = _throughput_fn(cfg, backend, inner)
     metrics = MetricsLogger(cfg.output_dir, enabled=backend.is_main, tensorboard=cfg.tensorboard,
                             total_steps=cfg.max_steps, start_step=state.step)
     validation = build_validation(cfg.validation, backend, loader=loader, model=inner, output_dir=cfg.output_dir,
@@ -162,17 +186,26 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
     final_loss: list[float] = []
     window_start, window_steps = time.perf_counter(), 0
 
-    def report(step: int, seconds: float, steps: int, lr: float, samples_seen: int, loss: float,
-               grad_norm: float) -> None:
+    def report(step: int, seconds: float, steps: int, lr: float, samples_seen: int, window: StepTokens,
+               loss: float, grad_norm: float) -> None:
         sps = global_batch * steps / seconds
         final_loss[:] = [loss]
         peak = backend.peak_memory_bytes()
+        rates = rates_of(window, sps / backend.world_size)
         metrics.log(step, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "samples_per_s": sps,
-                           "tokens_per_s": sps * tokens_per_sample, "mfu": mfu_of(sps / backend.world_size),
+                           "tokens_per_s": sps * rates.pop("tokens_per_sample"), **rates,
                            "step_time_s": seconds / steps, "samples_seen": samples_seen,
                            "peak_mem_gib": None if peak is None else peak / 2**30})
 
-    batches = backend.device_batches(loader)
+    # Caption padding cut per batch on the host, before the device copy (training/text_trim.py).
+    meter = TokenMeter()
+    trim = cfg.text_trim.lengths if backend.trims_text and cfg.text_trim.enabled else None
+    # The backend may read ahead (a side-stream copy on CUDA): checkpoints save the position
+    # after the last batch a step used, not the loader's own (training/input_pipeline.py).
+    position = LoaderPosition(loader)
+    batches = position.delivered(backend.device_batches(
+        trimmed(position.pulled(loader), lengths=trim, floor=int(null_mask.sum()), meter=meter)))
+    step_tokens: list[StepTokens] = []
     stopped_by = None
     try:
         with StopRequest() as stop:
@@ -185,6 +218,7 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
                 state.step += 1
                 state.samples_seen += global_batch
                 step_times.append(time.perf_counter() - t0)
+                step_tokens.append(count_tokens(meter.take(cfg.optim.grad_accum_steps)))
                 window_steps += 1
                 metrics.advance(state.step)
                 validation.maybe_run(state.step, model, ema)
@@ -192,13 +226,14 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
                     now = time.perf_counter()
                     # Everything but the two device tensors is bound now: XLA runs this closure later.
                     backend.on_host(functools.partial(report, state.step, now - window_start, window_steps,
-                                                      scheduler.get_last_lr()[0], state.samples_seen),
+                                                      scheduler.get_last_lr()[0], state.samples_seen,
+                                                      sum(step_tokens[-window_steps:], StepTokens())),
                                     loss, grad_norm)
                     window_start, window_steps = now, 0
                 # Rank 0's pending stop signal, asked at logging steps only (a small collective).
                 stopped_by = stop.agreed(backend) if state.step % cfg.log_every == 0 else None
                 saved = ckpt.maybe_save(step=state.step, model=model, optimizer=optimizer, scheduler=scheduler,
-                                        ema=ema, loader=loader, state=state,
+                                        ema=ema, loader=position, state=state,
                                         force=state.step == cfg.max_steps or stopped_by is not None)
                 last_ckpt = saved or last_ckpt
                 if stopped_by is not None:
@@ -211,4 +246,4 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
         metrics.close()
     return TrainResult(steps=len(step_times), final_loss=final_loss[0] if final_loss else None,
                        step_times=step_times, samples_per_step=global_batch, checkpoint=last_ckpt,
-                       model=model, stopped_by=stopped_by)
+                       model=model, stopped_by=stopped_by, step_tokens=step_tokens)

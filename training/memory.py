@@ -1,4 +1,6 @@
-"""Device-memory (HBM) estimate per rank, checked before the first compile on Trainium.
+"""Device-memory estimate per rank: per NeuronCore before the first compile on Trainium, and
+per GPU by mesh (ddp/fsdp/hsdp) and activation-checkpointing mode (the GPU section below:
+``estimate_gpu``, ``check_gpu_config``, ``gpu_memory_table`` for ``bench --memory-table``).
 
 A NeuronCore-v2 (trn1/trn1n) has 16 GiB of HBM (training/flops.py ACCELERATORS). neuronx-cc
 only finds out after minutes of compiling ("Estimated peak HBM usage exceeds 16GB",
@@ -34,6 +36,7 @@ jobs report the real peak (``peak_memory_bytes``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -171,7 +174,7 @@ def fix_for(est: MemoryEstimate, limit: int) -> str:
     """The first knob (cheapest in step time first) that brings ``est`` under ``limit``."""
     over = est.total - limit
     if not est.gradient_checkpointing and est.activations_no_checkpointing - est.activations_checkpointing >= over:
-        return "set model.gradient_checkpointing: true"
+        return "set model.activation_checkpointing: full"
     batch = largest_fitting_batch(est, limit)
     if not est.zero1 and est.world_size > 1:
         zero_saving = est.optimizer - (est.parameters * 16) // est.world_size
@@ -229,3 +232,309 @@ def check_trainium_config(cfg: Any, *, world_size: int, instance_type: str | Non
         print(format_table(est, limit_gib=limit, device=device), file=out, flush=True)
     check_fits(est, limit_gib=limit, device=device)
     return est
+
+
+# ----- GPU: per-GPU estimate by mesh and activation-checkpointing mode ----------------------
+#
+# Per rank, P parameters, mesh shard factor S (ddp 1, fsdp N ranks, hsdp the shard group),
+# fp32 weights under both fp32 and bf16-mixed (fp32 masters, training/backends/gpu.py):
+#
+#   weights     4P / S, plus under FSDP/HSDP the unsharded copies of the units being gathered:
+#               two blocks at a time (the current one and the prefetched next, FSDP2's default
+#               forward/backward prefetch of one unit) in the compute dtype, and the root's
+#               own parameters
+#   gradients   DDP: 4P twice - ``param.grad`` and DDP's all-reduce buckets are separate
+#               copies unless ``gradient_as_bucket_view=True`` (torch DistributedDataParallel
+#               docs: "the saved memory size will be equal to the total gradients size");
+#               FSDP/HSDP: 4P / S reduce-scattered shards plus two blocks' unsharded grads
+#   optimizer   AdamW: exp_avg + exp_avg_sq in fp32, 8P / S (CAME: ~4P / S: the first
+#               moment in full, the second factored into rows/columns, training/came.py)
+#   EMA         4P / S when ema.decay > 0
+#   (with LoRA, gradients, optimizer state and EMA count the adapters' parameters only)
+#   activations measured, not modelled: the bytes autograd saves for backward
+#               (``saved_tensors_hooks``, deduplicated by storage) in a forward of the real
+#               diffusers model with our fp32 linear-attention processor, on fake tensors
+#               (``FakeTensorMode``: no memory, no compute) under the run's autocast, so the
+#               bf16 copies autocast makes are counted where they are saved. From 1- and
+#               2-block forwards: per-block cost a, the rest b; block input h (the fp32
+#               residual stream [L, D]); s = the outputs selective checkpointing keeps per
+#               block (training/activation_checkpointing.py SAC_SAVE_OPS, counted by a
+#               dispatch mode). Per sample, with k checkpointed blocks of L:
+#                 none        b + L a
+#                 full        b + L h + a          (one block recomputed at a time)
+#                 every_n     b + (L - k) a + k h + a
+#                 selective   b + L (h + s) + a
+#
+# Not counted: the CUDA context and cuBLAS/cuDNN workspaces (~0.5-1 GiB), NCCL buffers, the
+# caching allocator's fragmentation, torch.compile's own buffers (compile usually keeps fewer
+# activations: fused elementwise ops save less). The table is for choosing a config; the bench
+# records the real peak (``peak_memory_bytes``). Caption tokens are counted at the padded
+# length: trimming only lowers a batch's activations, and the largest batch must still fit.
+
+#: device memory assumed when not on CUDA: an 80 GB H100 / A100-80GB
+DEFAULT_GPU_GIB = 80.0
+MESHES = ("ddp", "fsdp", "hsdp")
+AC_MODES = ("none", "full", "every_n", "selective")
+#: FSDP2 keeps the current unit and the one it prefetches unsharded
+_GATHERED_BLOCKS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuActivationCost:
+    """Saved-for-backward bytes per sample under one precision (see the section comment)."""
+
+    base: int
+    per_block: int
+    block_input: int
+    selective_per_block: int
+
+    def per_sample(self, layers: int, mode: str, checkpointed: int) -> int:
+        if mode == "none":
+            return self.base + layers * self.per_block
+        if mode == "selective":
+            return self.base + layers * (self.block_input + self.selective_per_block) + self.per_block
+        k = layers if mode == "full" else checkpointed
+        return self.base + (layers - k) * self.per_block + k * self.block_input + (self.per_block if k else 0)
+
+
+def _fake_saved_bytes(model_kwargs: Mapping[str, Any], layers: int, text_tokens: int,
+                      autocast: bool) -> tuple[int, int]:
+    """(autograd-saved bytes, outputs of SAC_SAVE_OPS bytes) of one sample's forward."""
+    import torch
+    from diffusers import SanaTransformer2DModel
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from training.activation_checkpointing import SAC_SAVE_OPS
+    from training.attention import use_fp32_linear_attention
+
+    save_ops = frozenset(o.default for o in SAC_SAVE_OPS if hasattr(o, "default"))
+
+    class KeptOutputs(TorchDispatchMode):
+        """Sums the output bytes of the ops selective checkpointing saves."""
+
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            if func in save_ops:
+                for t in out if isinstance(out, tuple | list) else (out,):
+                    if isinstance(t, torch.Tensor):
+                        self.total += t.numel() * t.element_size()
+            return out
+
+    kw = {**model_kwargs, "num_layers": layers}
+    with FakeTensorMode():
+        model = SanaTransformer2DModel(**kw)
+        use_fp32_linear_attention(model)
+        model.train()
+        size = int(kw.get("sample_size", 32))
+        x = torch.empty(1, int(kw.get("in_channels", 32)), size, size)
+        text = torch.empty(1, text_tokens, int(kw.get("caption_channels", 2304)))
+        mask, t = torch.ones(1, text_tokens), torch.ones(1)
+        by_storage: dict[int, int] = {}
+        keep: list[torch.Tensor] = []  # alive until counted, so storages are not reused
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            keep.append(tensor)
+            key = tensor.untyped_storage()._cdata
+            by_storage[key] = max(by_storage.get(key, 0), tensor.numel() * tensor.element_size())
+            return tensor
+
+        kept = KeptOutputs()
+        with (torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+              torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), kept):
+            model(hidden_states=x, encoder_hidden_states=text, timestep=t, encoder_attention_mask=mask,
+                  return_dict=False)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+    return sum(v for k, v in by_storage.items() if k not in params), kept.total
+
+
+def _frozen(kwargs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, list | dict)))
+
+
+@functools.cache
+def _param_counts(frozen_kwargs: tuple[tuple[str, Any], ...]) -> tuple[int, int]:
+    """(parameters, parameters outside the transformer blocks), counted on the meta device."""
+    kw = dict(frozen_kwargs)
+    return count_parameters(kw), count_parameters({**kw, "num_layers": 0})
+
+
+@functools.cache
+def _gpu_activations(frozen_kwargs: tuple[tuple[str, Any], ...], text_tokens: int,
+                     autocast: bool) -> GpuActivationCost:
+    kw = dict(frozen_kwargs)
+    (one, sac1), (two, sac2) = (_fake_saved_bytes(kw, n, text_tokens, autocast) for n in (1, 2))
+    size = int(kw.get("sample_size", 32)) // int(kw.get("patch_size", 1))
+    width = int(kw.get("num_attention_heads", 70)) * int(kw.get("attention_head_dim", 32))
+    return GpuActivationCost(base=one - (two - one), per_block=two - one, block_input=size * size * width * 4,
+                             selective_per_block=sac2 - sac1)
+
+
+def gpu_activations(model_kwargs: Mapping[str, Any], *, text_tokens: int, precision: str) -> GpuActivationCost:
+    """Measured activation bytes per sample for ``precision`` ("bf16-mixed" under autocast)."""
+    return _gpu_activations(_frozen(model_kwargs), int(text_tokens), precision == "bf16-mixed")
+
+
+@dataclasses.dataclass(kw_only=True)
+class GpuMemoryEstimate:
+    """Bytes per GPU by component for one config, mesh and checkpointing mode."""
+
+    parameters: int
+    weights: int
+    gradients: int
+    optimizer: int
+    ema: int
+    activations: int
+    mesh: str
+    shard: int  # ranks the state is sharded over (1 under DDP)
+    world_size: int
+    activation_checkpointing: str
+    batch_size: int
+    precision: str
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.ema + self.activations
+
+    def as_gib(self) -> dict[str, Any]:
+        parts = ("weights", "gradients", "optimizer", "ema", "activations")
+        return {"parameters": self.parameters, **{k: round(getattr(self, k) / GIB, 2) for k in parts},
+                "total": round(self.total / GIB, 2), "mesh": self.mesh, "shard": self.shard,
+                "world_size": self.world_size, "activation_checkpointing": self.activation_checkpointing,
+                "batch_size": self.batch_size, "precision": self.precision}
+
+
+def _trainable_parameters(cfg: Any) -> int:
+    """Parameters that train under the config's LoRA section (adapters on a meta-device model)."""
+    from training.lora import apply_lora
+    from training.model import build_model
+
+    model = build_model(dataclasses.replace(cfg.model, pretrained=None, init="torch"), device="meta")
+    apply_lora(model, cfg.lora)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _mesh_of(cfg: Any) -> str:
+    mesh = str(getattr(cfg.gpu, "distributed", "ddp"))
+    return mesh if mesh in MESHES else "ddp"
+
+
+def _ac_of(cfg: Any) -> tuple[str, int]:
+    """(mode, every_n) from model.activation_checkpointing, or the older boolean."""
+    mode = getattr(cfg.model, "activation_checkpointing", None)
+    if mode is None:
+        mode = "full" if cfg.model.gradient_checkpointing else "none"
+    return str(mode), int(getattr(cfg.model, "checkpoint_every_n", 2))
+
+
+def estimate_gpu(cfg: Any, *, world_size: int, mesh: str | None = None, ac: str | None = None,
+                 text_tokens: int = DEFAULT_TEXT_TOKENS, shard_group_size: int | None = None) -> GpuMemoryEstimate:
+    """Per-GPU memory of TrainConfig ``cfg`` on ``world_size`` ranks (mesh / ac default to the config's)."""
+    from training.activation_checkpointing import checkpointed_blocks
+
+    kw = cfg.model.model_kwargs()
+    mesh = mesh or _mesh_of(cfg)
+    mode, every_n = _ac_of(cfg)
+    mode = ac or mode
+    if mesh not in MESHES or mode not in AC_MODES:
+        raise ValueError(f"mesh {mesh!r} / activation checkpointing {mode!r}: not one of {MESHES} / {AC_MODES}")
+    n = max(1, int(world_size))
+    group = int(shard_group_size or getattr(cfg.gpu, "shard_group_size", 0) or 8)
+    shard = {"ddp": 1, "fsdp": n, "hsdp": min(group, n)}[mesh]
+    layers = int(kw.get("num_layers", 20))
+    params, no_blocks = _param_counts(_frozen(kw))
+    block = (params - no_blocks) // max(1, layers)
+    root = params - block * layers
+    compute_bytes = 2 if cfg.precision == "bf16-mixed" else 4
+    gathered = (_GATHERED_BLOCKS * block * compute_bytes + root * 4) if shard > 1 else 0
+    weights = params * 4 // shard + gathered
+    if mesh == "ddp":  # one process has no DDP wrapper, hence no bucket copy
+        grads = params * 4 * (2 if n > 1 else 1)
+    else:
+        grads = params * 4 // shard + _GATHERED_BLOCKS * block * 4
+    per_param = 4 if getattr(cfg.optim, "name", "adamw") == "came" else 8
+    # LoRA (training/lora.py): gradients, optimizer state and EMA exist for the adapters only
+    trainable = _trainable_parameters(cfg) if getattr(getattr(cfg, "lora", None), "enabled", False) else params
+    if trainable != params:
+        grads = trainable * 4 * (2 if mesh == "ddp" and n > 1 else 1) // (1 if mesh == "ddp" else shard)
+    act = gpu_activations(kw, text_tokens=text_tokens, precision=cfg.precision)
+    k = len(checkpointed_blocks(layers, mode, every_n))
+    b = int(cfg.data.batch_size)
+    return GpuMemoryEstimate(parameters=params, weights=weights, gradients=grads,
+                             optimizer=trainable * per_param // shard,
+                             ema=trainable * 4 // shard if cfg.ema.decay > 0 else 0,
+                             activations=b * act.per_sample(layers, mode, k), mesh=mesh, shard=shard,
+                             world_size=n, activation_checkpointing=mode, batch_size=b, precision=cfg.precision)
+
+
+def gpu_fix_for(est: GpuMemoryEstimate, cfg: Any, limit: int) -> str:
+    """The first knob (cheapest in step time first) that brings ``est`` under ``limit``."""
+    # recompute cost: selective (elementwise ops only) < every_n (1/n of the blocks) < full
+    for mode in ("selective", "every_n", "full"):
+        if (mode != est.activation_checkpointing and est.activation_checkpointing != "full"
+                and estimate_gpu(cfg, world_size=est.world_size, mesh=est.mesh, ac=mode).total <= limit):
+            return f"set model.activation_checkpointing: {mode}"
+    if est.mesh == "ddp" and est.world_size > 1:
+        for mesh in ("hsdp", "fsdp"):
+            if estimate_gpu(cfg, world_size=est.world_size, mesh=mesh,
+                            ac=est.activation_checkpointing).total <= limit:
+                return f"set gpu.distributed: {mesh}"
+    fixed = est.total - est.activations
+    per_sample = est.activations // max(1, est.batch_size)
+    batch = max(0, (limit - fixed) // per_sample) if per_sample else 0
+    if 0 < batch < est.batch_size:
+        return f"lower data.batch_size to {batch} (and raise optim.grad_accum_steps to keep the global batch)"
+    return "use gpu.distributed: fsdp with more GPUs, model.activation_checkpointing: full, or a smaller model.preset"
+
+
+def check_gpu_fits(est: GpuMemoryEstimate, cfg: Any, *, limit_gib: float, device: str) -> None:
+    """One-line UserError naming the knob when ``est`` exceeds the GPU's memory."""
+    limit = int(limit_gib * GIB)
+    if est.total > limit:
+        g = est.as_gib()
+        raise UserError(f"memory estimate: {g['total']} GiB per {device} exceeds its {limit_gib:g} GiB "
+                        f"(weights {g['weights']}, grads {g['gradients']}, optimizer {g['optimizer']}, "
+                        f"ema {g['ema']}, activations {g['activations']} at batch {est.batch_size}, "
+                        f"{est.mesh}, checkpointing {est.activation_checkpointing}); {gpu_fix_for(est, cfg, limit)}")
+
+
+def gpu_device_memory() -> tuple[str, float]:
+    """(name, GiB) of this process's CUDA device, or the 80 GB default off CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return props.name, props.total_memory / GIB
+    return "80 GB GPU (default; no CUDA device here)", DEFAULT_GPU_GIB
+
+
+def check_gpu_config(cfg: Any, *, world_size: int, out: Any = None) -> GpuMemoryEstimate:
+    """Before step 0 on the GPU backend: print the estimate (to ``out``; None = silent) and
+    refuse a config that cannot fit this GPU (80 GB off CUDA) with the knob to change."""
+    device, limit = gpu_device_memory()
+    est = estimate_gpu(cfg, world_size=world_size)
+    if out is not None:
+        g = est.as_gib()
+        print(f"memory estimate per GPU ({device}, {limit:.0f} GiB): weights {g['weights']}, grads "
+              f"{g['gradients']}, optimizer {g['optimizer']}, ema {g['ema']}, activations {g['activations']} "
+              f"(batch {est.batch_size}, {est.mesh} over {est.shard}, checkpointing "
+              f"{est.activation_checkpointing}) = {g['total']} GiB", file=out, flush=True)
+    check_gpu_fits(est, cfg, limit_gib=limit, device=device)
+    return est
+
+
+def gpu_memory_table(cfg: Any, *, world_size: int, limit_gib: float = DEFAULT_GPU_GIB) -> str:
+    """A markdown table: total GiB per GPU (activations in brackets) for every mesh and mode."""
+    rows = [f"| checkpointing | {' | '.join(MESHES)} |", f"|---|{'---|' * len(MESHES)}"]
+    for mode in AC_MODES:
+        cells = []
+        for mesh in MESHES:
+            est = estimate_gpu(cfg, world_size=world_size, mesh=mesh, ac=mode)
+            g = est.as_gib()
+            mark = "" if est.total <= limit_gib * GIB else " (over)"
+            cells.append(f"{g['total']:.1f} ({g['activations']:.1f}){mark}")
+        label = f"every_n (n={_ac_of(cfg)[1]})" if mode == "every_n" else mode
+        rows.append(f"| {label} | {' | '.join(cells)} |")
+    return "\n".join(rows)

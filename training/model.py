@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 import torch
 
 from training.errors import UserError
+
+log = logging.getLogger(__name__)
 
 #: Preset name -> ``SanaTransformer2DModel`` kwargs. The big ones follow the issue's
 #: shapes (NVlabs Sana_600M_img512 / Sana_1600M_1024px configs); parameter counts are
@@ -41,6 +44,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
         caption_channels=2304, patch_size=1, sample_size=32,
     ),
+    # Higher-resolution presets: same shapes; what changes is the latent grid (sample_size =
+    # image_size // 32, DC-AE f32) and the positional embedding. NVlabs Sana
+    # configs/sana_config/1024ms/Sana_600M_img1024.yaml sets ``use_pe: false``;
+    # 2048ms/Sana_1600M_img2048_bf16.yaml sets ``use_pe: true, pe_interpolation: 1.``; diffusers
+    # scripts/convert_sana_to_diffusers.py maps that to ``interpolation_scale`` {1024: None,
+    # 2048: 1.0} (None = no positional embedding in SanaTransformer2DModel's PatchEmbed).
+    "sana-600m-1024": dict(
+        in_channels=32, out_channels=32, num_layers=28, num_attention_heads=36, attention_head_dim=32,
+        num_cross_attention_heads=16, cross_attention_head_dim=72, cross_attention_dim=1152,
+        caption_channels=2304, patch_size=1, sample_size=32,
+    ),
+    "sana-1600m-2048": dict(
+        in_channels=32, out_channels=32, num_layers=20, num_attention_heads=70, attention_head_dim=32,
+        num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
+        caption_channels=2304, patch_size=1, sample_size=64, interpolation_scale=1.0,
+    ),
 }
 
 
@@ -57,8 +76,16 @@ class ModelConfig:
     pretrained: str | None = None
     #: local cache for an s3:// ``pretrained``
     pretrained_cache: str = "~/.cache/sana-training/pretrained"
-    #: recompute block activations in backward: ~30% slower, far less activation memory
-    gradient_checkpointing: bool = False
+    #: recompute block activations in backward (training/activation_checkpointing.py):
+    #: "none"; "full" (every block: ~+33% FLOPs, least memory); "every_n" (every
+    #: ``checkpoint_every_n``-th block); "selective" (every block, but matmul/attention
+    #: outputs are kept: torchtitan's op-level SAC; GPU backend only)
+    activation_checkpointing: str = "none"
+    #: "every_n": checkpoint blocks n-1, 2n-1, ... (n=1 is "full")
+    checkpoint_every_n: int = 2
+    #: deprecated alias: true = "full" (when activation_checkpointing is unset), false = "none";
+    #: after validation it mirrors ``activation_checkpointing != "none"``
+    gradient_checkpointing: bool | None = None
     #: linear self-attention matmuls + normaliser in fp32 under bf16 autocast (Sana's
     #: ``fp32_attention: true``, "necessary for NAN loss"); false = diffusers' processor,
     #: whose matmuls autocast to bf16 (kept for benchmarks/bf16_numerics.py's "before")
@@ -74,6 +101,22 @@ class ModelConfig:
             raise ValueError("model.overrides: must be a mapping of SanaTransformer2DModel kwargs")
         if self.init not in ("sana", "torch"):
             raise ValueError(f"model.init: {self.init!r} is not one of 'sana', 'torch'")
+        from training.activation_checkpointing import MODES
+
+        if self.activation_checkpointing not in MODES:
+            raise ValueError(f"model.activation_checkpointing: {self.activation_checkpointing!r} is not one "
+                             f"of {', '.join(MODES)}")
+        if self.checkpoint_every_n < 1:
+            raise ValueError("model.checkpoint_every_n: must be >= 1")
+        if self.gradient_checkpointing is not None:
+            log.warning("model.gradient_checkpointing is deprecated; use model.activation_checkpointing: "
+                        "%s", "full" if self.gradient_checkpointing else "none")
+            if self.gradient_checkpointing and self.activation_checkpointing == "none":
+                self.activation_checkpointing = "full"
+            elif not self.gradient_checkpointing and self.activation_checkpointing != "none":
+                raise ValueError("model.gradient_checkpointing: false contradicts model.activation_checkpointing: "
+                                 f"{self.activation_checkpointing}; drop the deprecated key")
+        self.gradient_checkpointing = self.activation_checkpointing != "none"
 
     def model_kwargs(self) -> dict[str, Any]:
         """The ``SanaTransformer2DModel`` kwargs this config builds (preset + overrides)."""
@@ -125,8 +168,10 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str | None = None) -
         from training.attention import use_fp32_linear_attention
 
         use_fp32_linear_attention(model)
-    if cfg.gradient_checkpointing:
-        model.enable_gradient_checkpointing()
+    if cfg.activation_checkpointing != "none":
+        from training.activation_checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, cfg.activation_checkpointing, every_n=cfg.checkpoint_every_n)
     model.train()
     return model
 

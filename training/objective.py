@@ -111,12 +111,21 @@ class RectifiedFlow:
         drop = self._local(uniform, b) < self.cfg.caption_dropout
         return self._local(sigma, b), self._local(noise, b), drop
 
+    def null_caption(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The null caption and its mask cut to a trimmed batch's caption ``length``
+        (training/text_trim.py; the trim keeps the null caption's real tokens). At the padded
+        length nothing is sliced, so the XLA graph is unchanged."""
+        if length == self.null_text.shape[0]:
+            return self.null_text, self.null_mask
+        return self.null_text[:length], self.null_mask[:length]
+
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Scalar fp32 loss for one (micro-)batch of {"latents", "text", "text_mask"}."""
         x0 = batch["latents"].float() * self.scale
         sigma, noise, drop = self.sample(x0)
-        text = torch.where(drop[:, None, None], self.null_text.to(batch["text"].dtype), batch["text"])
-        mask = torch.where(drop[:, None], self.null_mask.to(batch["text_mask"].dtype), batch["text_mask"])
+        null_text, null_mask = self.null_caption(batch["text"].shape[1])
+        text = torch.where(drop[:, None, None], null_text.to(batch["text"].dtype), batch["text"])
+        mask = torch.where(drop[:, None], null_mask.to(batch["text_mask"].dtype), batch["text_mask"])
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
         x_t = (1.0 - s) * x0 + s * noise
         pred = model(hidden_states=x_t, encoder_hidden_states=text, timestep=sigma * TIMESTEP_SCALE,

@@ -50,6 +50,10 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     #: micro-batches per optimizer step; global batch = batch_size * world_size * this
     grad_accum_steps: int = 1
+    #: AdamW: torch's fused kernel (``fused=True``: a few kernels for all parameters instead of
+    #: ~a dozen foreach passes) when every parameter is on CUDA or CPU; XLA parameters
+    #: (Trainium, ZeRO-1) and CAME keep their implementation
+    fused: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -124,7 +128,7 @@ def param_groups(params: Iterable[nn.Parameter], cfg: OptimConfig, model: nn.Mod
     one group). Names are looked up by identity on ``model`` at call time, after the backend
     moved/sharded it. Without a model, 0-/1-D tensors (biases, norm weights) are exempt.
     """
-    params = list(params)
+    params = [p for p in params if p.requires_grad]  # frozen weights (a LoRA base) take no state
     if cfg.weight_decay == 0:
         return [{"params": params}]
     if model is not None:
@@ -154,10 +158,43 @@ def optimizer_factory(cfg: OptimConfig, model: nn.Module | None = None
 
             return CAME(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, clip_threshold=cfg.clip_threshold,
                         weight_decay=cfg.weight_decay)
-        # torch picks the foreach implementation on CUDA (and DTensor) by itself.
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        # fused=None lets torch pick foreach on CUDA (and DTensor); fused=True is the single
+        # fused kernel, supported for CUDA since torch 2.0 and CPU since 2.4 (torch.optim.AdamW
+        # docs: "fused (bool, optional) - whether the fused implementation is used. Currently,
+        # torch.float64, torch.float32, torch.float16, and torch.bfloat16 are supported").
+        fused = cfg.fused and fused_supported(g["params"] for g in groups)
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                fused=fused or None)
+        opt.register_load_state_dict_pre_hook(_keep_implementation)
+        return opt
 
     return make
+
+
+#: devices torch's fused AdamW runs on in the versions the project pins (torch>=2.4 for CPU)
+FUSED_DEVICES = ("cuda", "cpu")
+
+
+def fused_supported(param_lists: Iterable[list[nn.Parameter]]) -> bool:
+    """True when every parameter is a float tensor on a device with fused AdamW."""
+    params = [p for ps in param_lists for p in ps]
+    return bool(params) and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+
+
+#: param-group keys that choose an implementation, not a hyper-parameter
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def _keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``load_state_dict`` pre-hook: the implementation keys are this process's, not the
+    checkpoint's. torch's ``Optimizer.load_state_dict`` takes every group key from the saved
+    groups, and decides by the saved ``fused``/``capturable`` whether ``step`` moves to the
+    parameter's device (``_process_value_according_to_param_policy``). Unchanged, a foreach
+    checkpoint would silently resume unfused, and a fused one (CUDA, or CPU since this default)
+    would put ``step`` on the XLA device on Trainium: another step graph, a recompile."""
+    groups = [{**g, **{k: optimizer.defaults[k] for k in IMPLEMENTATION_KEYS if k in optimizer.defaults}}
+              for g in state_dict["param_groups"]]
+    return {**state_dict, "param_groups": groups}
 
 
 def _unwrapped(model: nn.Module) -> nn.Module:

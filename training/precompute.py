@@ -19,6 +19,15 @@ WORLD_SIZE (torchrun env) takes shards r, r+W, ...; rank 0 then waits for every 
 and writes null_caption.safetensors and, last, index.json (``--merge-only`` redoes just
 that step). The run is thus restartable at any point, by any number of ranks.
 
+Aspect-ratio buckets (``--buckets 512|1024|2048``; ``square``, the default, centre-crops
+every image to ``--resolution``): each image goes to the bucket of NVlabs Sana's table with
+the nearest h/w ratio, is resized to cover it and centre-cropped to it (training/data/
+buckets.py); the table is scaled to ``--resolution`` (default: the table's own, e.g. 512).
+Shards record each sample's bucket, index.json lists the buckets with counts and shapes.
+Unreadable images, and images smaller than their target (it would take more than
+``--max-upscale``, 2x by default, to cover it), are skipped: counted per reason, one summary
+line each.
+
 Text conditioning: captions get NVlabs Sana's complex human instruction by default
 (``--chi sana``; ``diffusers`` for SanaPipeline's list, ``none``, or a file), and the
 choice, its sha256, N, the tokenizer and the text encoder's identity go into index.json
@@ -52,12 +61,14 @@ from training import s3
 from training.data import (
     INDEX,
     NULL_CAPTION,
+    SQUARE,
     VALIDATION_PROMPTS,
     encode_sample,
     shard_name,
     write_index,
     write_shard,
 )
+from training.data.buckets import SQUARE_MODE, TABLES, aspect_ratio_table, cover_resize, nearest_bucket
 from training.errors import UserError, exits_cleanly
 from training.text_features import CHI_CHOICES, TextConditioning, dir_fingerprint, resolve_chi
 
@@ -88,8 +99,13 @@ class PrecomputeConfig:
     text_encoder: str
     #: tokenizer directory (local or s3://); usually the text encoder's
     tokenizer: str
-    #: square training resolution: shorter side resized to it (bicubic), then center-cropped
-    resolution: int = 512
+    #: square mode: the side images are centre-cropped to; bucket mode: the side of the table's
+    #: 1.0 bucket (the table is scaled to it). None: 512 (square) or the table's own (buckets)
+    resolution: int | None = None
+    #: "square" (one shape) or a Sana aspect-ratio table: "512", "1024", "2048"
+    buckets: str = SQUARE_MODE
+    #: skip an image as too small when covering its target size needs more upscaling than this
+    max_upscale: float = 2.0
     #: N: caption tokens kept (Sana: 300)
     max_text_tokens: int = 300
     #: complex-human-instruction prefix: "sana" (NVlabs Sana's configs), "diffusers" (SanaPipeline's
@@ -117,6 +133,12 @@ class PrecomputeConfig:
     world_size: int = field(default_factory=lambda: int(os.environ.get("WORLD_SIZE", "1")))
 
     def __post_init__(self) -> None:
+        if self.buckets not in (SQUARE_MODE, *TABLES):
+            raise UserError(f"--buckets: {self.buckets!r}; choose {SQUARE_MODE} or a Sana table: {', '.join(TABLES)}")
+        if self.resolution is None:
+            self.resolution = 512 if self.buckets == SQUARE_MODE else int(self.buckets)
+        if not self.max_upscale >= 1.0:
+            raise UserError(f"--max-upscale: must be >= 1.0, got {self.max_upscale}")
         for name in ("resolution", "max_text_tokens", "batch_size", "samples_per_shard", "io_workers"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
@@ -192,18 +214,70 @@ def _read(ref: str) -> bytes:
 
 def preprocess(data: bytes, resolution: int) -> torch.Tensor:
     """Image bytes -> [3, R, R] in [-1, 1]: shorter side to R (bicubic), center crop."""
+    return preprocess_to(data, (resolution, resolution))
+
+
+class Skip(Exception):
+    """An input image that is not used; ``reason`` is the summary line it is counted under."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}{f' ({detail})' if detail else ''}")
+        self.reason = reason
+
+
+#: skip reasons, as the summary prints them
+UNREADABLE, TOO_SMALL = "unreadable or corrupt image", "too small for its bucket"
+
+
+def _open_rgb(data: bytes):
+    from PIL import Image
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.load()  # decode now: a truncated file fails here, not mid-batch
+        return img.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:  # PIL's errors
+        raise Skip(UNREADABLE, str(exc)) from None
+
+
+def preprocess_to(data: bytes, target: tuple[int, int], img=None) -> torch.Tensor:
+    """Image bytes -> [3, h, w] in [-1, 1]: resized (bicubic) to cover ``target`` (h, w) with its
+    aspect kept, then centre-cropped to it (NVlabs Sana's SanaWebDatasetMS.getdata)."""
     import numpy as np
     from PIL import Image
 
-    img = Image.open(io.BytesIO(data)).convert("RGB")
-    w, h = img.size
-    scale = resolution / min(w, h)
-    img = img.resize((max(resolution, round(w * scale)), max(resolution, round(h * scale))), Image.BICUBIC)
-    w, h = img.size
-    left, top = (w - resolution) // 2, (h - resolution) // 2
-    img = img.crop((left, top, left + resolution, top + resolution))
+    img = _open_rgb(data) if img is None else img
+    th, tw = target
+    rh, rw = cover_resize(img.height, img.width, target)
+    img = img.resize((rw, rh), Image.BICUBIC)
+    left, top = (rw - tw) // 2, (rh - th) // 2
+    img = img.crop((left, top, left + tw, top + th))
     x = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
     return x.float() / 127.5 - 1.0
+
+
+def bucket_table(cfg: PrecomputeConfig, vae_stride: int) -> dict[str, tuple[int, int]]:
+    """--buckets as name -> (h, w) pixels: Sana's table scaled to --resolution, sides rounded
+    to the VAE's stride; square mode is one ``square`` bucket of resolution x resolution."""
+    if cfg.buckets == SQUARE_MODE:
+        return {SQUARE: (cfg.resolution, cfg.resolution)}
+    scale = cfg.resolution / int(cfg.buckets)
+    table = {}
+    for name, (h, w) in aspect_ratio_table(cfg.buckets).items():
+        table[name] = tuple(max(vae_stride, round(side * scale / vae_stride) * vae_stride) for side in (h, w))
+    return table
+
+
+def load_image(data: bytes, table: dict[str, tuple[int, int]], max_upscale: float) -> tuple[torch.Tensor, str]:
+    """Image bytes -> (pixels at its bucket's size, bucket name); ``Skip`` if unusable."""
+    img = _open_rgb(data)
+    name = next(iter(table)) if len(table) == 1 else nearest_bucket(img.height, img.width, table)
+    th, tw = table[name]
+    upscale = max(th / img.height, tw / img.width)
+    if upscale > max_upscale:
+        raise Skip(TOO_SMALL, f"{img.width}x{img.height} -> {tw}x{th} is {upscale:.1f}x, over --max-upscale "
+                              f"{max_upscale:g}")
+    return preprocess_to(data, (th, tw), img), name
 
 
 def unit_samples(unit: Unit, work: Path) -> Iterator[tuple[str, bytes, str]]:
@@ -344,18 +418,22 @@ class Output:
     def write_index(self, markers: Sequence[dict[str, Any]], null: torch.Tensor, created_by: dict[str, Any],
                     extra: dict[str, Any], extra_files: Sequence[str] = ()) -> dict[str, Any]:
         first = next((m for m in markers if m["samples"]), markers[0])
+        bucketed = "bucket_shapes" in first
+        shape_key = "bucket_table" if bucketed else "latent_shape"
         for m in markers:
-            for key in ("latent_shape", "text_dim", "max_text_tokens", "vae_scaling_factor", "chi_sha256"):
+            for key in (shape_key, "text_dim", "max_text_tokens", "vae_scaling_factor", "chi_sha256"):
                 if m["samples"] and m.get(key) != first.get(key):
-                    raise UserError(f"{self.out}/{m['name']}: {key} {m[key]} differs from {first['name']}'s "
-                                    f"{first[key]}; shards come from different settings - delete and redo them")
-        shards = [{k: m[k] for k in ("name", "samples", "bytes", "sha256")} for m in markers if m["samples"]]
+                    raise UserError(f"{self.out}/{m['name']}: {key} {m.get(key)} differs from {first['name']}'s "
+                                    f"{first.get(key)}; shards come from different settings - delete and redo them")
+        keys = ("name", "samples", "bytes", "sha256", *(("buckets",) if bucketed else ()))
+        shards = [{k: m[k] for k in keys} for m in markers if m["samples"]]
         if not shards:
             raise UserError(f"{self.out}: every shard is empty; check the input")
-        index = write_index(self.staging, shards=shards, latent_shape=first["latent_shape"],
+        shapes = {name: shape for m in markers if m["samples"] for name, shape in m.get("bucket_shapes", {}).items()}
+        index = write_index(self.staging, shards=shards, latent_shape=None if bucketed else first["latent_shape"],
                             text_dim=first["text_dim"], max_text_tokens=first["max_text_tokens"],
                             vae_scaling_factor=first["vae_scaling_factor"], null_caption=null,
-                            created_by=created_by, extra=extra)
+                            created_by=created_by, extra=extra, bucket_shapes=shapes if bucketed else None)
         if self.is_s3:
             for name in (NULL_CAPTION, *extra_files):
                 s3.upload_file(self.staging / name, f"{self.out}/{name}")
@@ -366,33 +444,39 @@ class Output:
 # ---------------------------------------------------------------------------- work
 @torch.no_grad()
 def encode_unit(unit: Unit, models: Models, cfg: PrecomputeConfig, work: Path, pool: ThreadPoolExecutor,
-                progress) -> tuple[list[tuple[str, bytes]], list[int], list[str]]:
-    """Encode every sample of a unit: (key, safetensors bytes) pairs, latent shape, skipped keys."""
+                progress) -> Encoded:
+    """Encode every sample of a unit (VAE batches are per bucket: one shape per forward)."""
     from training.text_features import encode_for_shards
 
-    def load(item: tuple[str, Any, str]) -> tuple[str, torch.Tensor | None, str]:
+    table = bucket_table(cfg, vae_stride(models.vae))
+
+    def load(item: tuple[str, Any, str]) -> tuple[str, tuple[torch.Tensor, str] | Skip, str]:
         key, image, caption = item
         try:
             data = image if isinstance(image, bytes) else _read(image)
             text = caption if unit.tar is not None else _read(caption).decode("utf-8")
-            return key, preprocess(data, cfg.resolution), text.strip()
-        except (OSError, ValueError, SyntaxError) as exc:  # PIL: unreadable / truncated image
-            print(f"warning: {key}: unreadable image ({exc}); skipped", file=sys.stderr)
-            return key, None, ""
+            return key, load_image(data, table, cfg.max_upscale), text.strip()
+        except Skip as skip:
+            print(f"warning: {key}: {skip}; skipped", file=sys.stderr)
+            return key, skip, ""
+        except (OSError, ValueError) as exc:  # an unreadable image / caption file (or its S3 object)
+            print(f"warning: {key}: unreadable ({exc}); skipped", file=sys.stderr)
+            return key, Skip(UNREADABLE, str(exc)), ""
 
-    out, skipped, latent_shape = [], [], []
-    batch: list[tuple[str, torch.Tensor, str]] = []
+    enc = Encoded()
+    pending: dict[str, list[tuple[str, torch.Tensor, str]]] = {}
 
-    def flush() -> None:
+    def flush(name: str) -> None:
+        batch = pending.pop(name)
         images = torch.stack([b[1] for b in batch]).to(models.device, models.dtype)
         latents = models.vae.encode(images).latent.float().cpu()
         texts = encode_for_shards([b[2] for b in batch], models.tokenizer, models.text_encoder,
                                   max_tokens=cfg.max_text_tokens, complex_human_instruction=models.chi)
         for (key, _, _), lat, txt in zip(batch, latents, texts, strict=True):
-            out.append((key, encode_sample(lat, txt)))
-        latent_shape[:] = list(latents.shape[1:])
+            enc.samples.append((key, encode_sample(lat, txt)))
+            enc.buckets.append(name)
+        enc.shapes[name] = list(latents.shape[1:])
         progress.update(len(batch))
-        batch.clear()
 
     # Bounded read-ahead: the threads download + decode the next batches while the models
     # run (Executor.map would instead decode the whole unit into memory up front).
@@ -404,17 +488,36 @@ def encode_unit(unit: Unit, models: Models, cfg: PrecomputeConfig, work: Path, p
 
     fill()
     while ahead:
-        key, image, text = ahead.popleft().result()
+        key, loaded, text = ahead.popleft().result()
         fill()
-        if image is None:
-            skipped.append(key)
+        if isinstance(loaded, Skip):
+            enc.skipped.append(key)
+            enc.reasons[loaded.reason] = enc.reasons.get(loaded.reason, 0) + 1
             continue
-        batch.append((key, image, text))
-        if len(batch) == cfg.batch_size:
-            flush()
-    if batch:
-        flush()
-    return out, latent_shape, skipped
+        image, name = loaded
+        pending.setdefault(name, []).append((key, image, text))
+        if len(pending[name]) == cfg.batch_size:
+            flush(name)
+    for name in list(pending):
+        flush(name)
+    return enc
+
+
+@dataclass
+class Encoded:
+    """One unit's output: samples with their buckets, bucket latent shapes, what was skipped."""
+
+    samples: list[tuple[str, bytes]] = field(default_factory=list)
+    buckets: list[str] = field(default_factory=list)
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+def vae_stride(vae: Any) -> int:
+    """Pixels per latent of an AutoencoderDC: one 2x downsample per encoder stage after the
+    first (diffusers AutoencoderDC: 6 stages -> 32 for DC-AE f32c32; the tiny VAE's 2 -> 2)."""
+    return 2 ** (len(vae.config.encoder_block_out_channels) - 1)
 
 
 def run(cfg: PrecomputeConfig) -> dict[str, Any] | None:
@@ -439,12 +542,18 @@ def run(cfg: PrecomputeConfig) -> dict[str, Any] | None:
     with ThreadPoolExecutor(cfg.io_workers) as pool, tqdm(total=total, unit="img", desc=f"rank {cfg.rank}",
                                                           mininterval=0.5 if interactive else 60) as progress:
         for unit in todo:
-            samples, latent_shape, skipped = encode_unit(unit, models, cfg, work, pool, progress)
-            entry = (write_shard(out.staging / unit.name, samples) if samples
-                     else {"name": unit.name, "samples": 0, "bytes": 0, "sha256": ""})
-            out.publish({**entry, "latent_shape": latent_shape, "text_dim": text_dim,
-                         "max_text_tokens": cfg.max_text_tokens, "vae_scaling_factor": scaling,
-                         "chi_sha256": models.conditioning.chi_sha256, "skipped": skipped})
+            enc = encode_unit(unit, models, cfg, work, pool, progress)
+            bucketed = cfg.buckets != SQUARE_MODE
+            entry = (write_shard(out.staging / unit.name, enc.samples, enc.buckets if bucketed else None)
+                     if enc.samples else {"name": unit.name, "samples": 0, "bytes": 0, "sha256": ""})
+            marker = {**entry, "latent_shape": next(iter(enc.shapes.values()), []), "text_dim": text_dim,
+                      "max_text_tokens": cfg.max_text_tokens, "vae_scaling_factor": scaling,
+                      "chi_sha256": models.conditioning.chi_sha256, "skipped": enc.skipped,
+                      "skipped_reasons": enc.reasons, "bucket_table": f"{cfg.buckets}@{cfg.resolution}"}
+            if bucketed:
+                marker["bucket_shapes"] = enc.shapes
+                marker.setdefault("buckets", [])
+            out.publish(marker)
     if cfg.rank != 0:
         return None
     return merge(cfg, out, units, models)
@@ -484,12 +593,23 @@ def merge(cfg: PrecomputeConfig, out: Output, units: Sequence[Unit], models: Mod
         extra_files.append(VALIDATION_PROMPTS)
     created_by = {"tool": "training.precompute", "input": cfg.input, "vae": cfg.vae,
                   "text_encoder": cfg.text_encoder, "tokenizer": cfg.tokenizer, "resolution": cfg.resolution,
+                  "buckets": cfg.buckets, "max_upscale": cfg.max_upscale,
                   "complex_human_instruction": list(models.chi) if models.chi else None,
                   "dtype": str(models.dtype).removeprefix("torch."),
                   "skipped": sum(len(m.get("skipped", [])) for m in markers)}
+    reasons: dict[str, int] = {}
+    for m in markers:
+        for reason, n in m.get("skipped_reasons", {}).items():
+            reasons[reason] = reasons.get(reason, 0) + n
+    created_by["skipped_reasons"] = reasons
     index = out.write_index(markers, null, created_by, extra, extra_files)
     print(f"precompute: {index['num_samples']} samples in {len(index['shards'])} shards -> {cfg.out}; "
           f"{index['bytes_per_sample']:.0f} bytes/sample", flush=True)
+    for name, bucket in (index.get("buckets") or {}).items():
+        print(f"precompute: bucket {name}: {bucket['samples']} samples, latents "
+              f"{'x'.join(map(str, bucket['latent_shape']))}", flush=True)
+    for reason, n in sorted(reasons.items()):
+        print(f"precompute: skipped {n} images: {reason}", flush=True)
     if out.is_s3:
         shutil.rmtree(out.staging, ignore_errors=True)
     return index
@@ -511,7 +631,12 @@ def parse_args(argv: Sequence[str] | None) -> PrecomputeConfig:
     p.add_argument("--vae", required=True, help="AutoencoderDC directory (local or s3://)")
     p.add_argument("--text-encoder", required=True, help="Gemma2Model directory (local or s3://)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the text encoder's)")
-    p.add_argument("--resolution", type=int, default=512)
+    p.add_argument("--resolution", type=int, help="square side (default 512), or the side of the bucket "
+                                                  "table's 1.0 bucket (default: the table's own)")
+    p.add_argument("--buckets", default=SQUARE_MODE, choices=[SQUARE_MODE, *TABLES],
+                   help="square: centre-crop to --resolution; 512/1024/2048: NVlabs Sana's aspect-ratio buckets")
+    p.add_argument("--max-upscale", type=float, default=2.0,
+                   help="skip images that need more upscaling than this to cover their bucket (default 2)")
     p.add_argument("--max-text-tokens", type=int, default=300)
     p.add_argument("--chi", default="sana",
                    help="complex human instruction: sana (NVlabs Sana's, default), diffusers (SanaPipeline's), "
@@ -529,6 +654,7 @@ def parse_args(argv: Sequence[str] | None) -> PrecomputeConfig:
     a = p.parse_args(argv)
     return PrecomputeConfig(input=a.input, out=a.out, vae=a.vae, text_encoder=a.text_encoder,
                             tokenizer=a.tokenizer or a.text_encoder, resolution=a.resolution,
+                            buckets=a.buckets, max_upscale=a.max_upscale,
                             max_text_tokens=a.max_text_tokens, chi=a.chi,
                             validation_prompts=a.validation_prompts, batch_size=a.batch_size,
                             samples_per_shard=a.samples_per_shard, device=a.device, dtype=a.dtype,

@@ -467,7 +467,8 @@ def render(runs: Sequence[Run], prices: PriceTable, opts: Options, charts: dict[
 
     out += ["", "## Model FLOPs utilisation", "",
             f"Analytic FLOP model (`training/flops.py`): {first.train_flops_per_sample / 1e12:.4g} TFLOP per "
-            "training sample (forward + backward = 3x forward), divided by each accelerator's dense peak.", "",
+            "training sample (forward + backward = 3x forward; real caption tokens only, `mfu_padded` in the "
+            "bench JSON counts the padding too), divided by each accelerator's dense peak.", "",
             _table(["run", "accelerator", "peak TFLOP/s", "MFU", "peak source"],
                    [[r.label, r.result.accelerator, _opt(r.result.peak_tflops_per_accelerator, "{:g}"),
                      _opt(r.result.mfu, "{:.1%}"), r.result.peak_source or "no published peak (CPU): MFU n/a"]

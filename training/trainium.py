@@ -7,7 +7,8 @@ CPU device in tests (``PJRT_DEVICE=CPU``). Same flags as ``python -m training.gp
 ``--precompile`` is for ``neuron_parallel_compile torchrun ... -m training.trainium ...`` (the
 ``precompile`` Slurm job kind wraps the training job's own torchrun world in it, so the
 graphs, collectives included, are the ones the real run compiles): it
-traces ``trainium.precompile_steps`` optimizer steps so the tool can compile every graph
+traces ``trainium.precompile_steps`` optimizer steps per aspect-ratio bucket of the data
+(one graph each; a square dataset is one bucket) so the tool can compile every graph
 of the real run in parallel into the persistent cache, writes no checkpoint, resumes from
 none and reads no tensor value (the tool's graphs return zeros). The mode also turns on by
 itself when ``NEURON_EXTRACT_GRAPHS_ONLY`` is set, which neuron_parallel_compile sets for its
@@ -40,10 +41,20 @@ def extracting_graphs(env: dict[str, str] | None = None) -> bool:
     return value not in ("", "0")
 
 
-def apply_precompile(cfg) -> None:
-    """Turn a run config into its precompile twin: same graphs, few steps, no files."""
+def apply_precompile(cfg, world_size: int = 1) -> None:
+    """Turn a run config into its precompile twin: same graphs, few steps, no files.
+
+    Aspect-ratio buckets are one graph each: the loader serves every bucket the run trains on
+    (those with at least one global batch), one after another in the index's fixed order,
+    ``precompile_steps`` optimizer steps each, so the tool sees every graph of the run."""
+    from training.data import FeatureIndex, kept_buckets
+
+    index = FeatureIndex.load(cfg.data.path)
+    accum = cfg.optim.grad_accum_steps if len(index.buckets) > 1 else 1
+    buckets = max(1, len(kept_buckets(index, cfg.data.batch_size * world_size * accum)[0]))
     cfg.trainium.precompile = True
-    cfg.max_steps = cfg.trainium.precompile_steps
+    cfg.data.fixed_bucket_steps = cfg.trainium.precompile_steps
+    cfg.max_steps = cfg.trainium.precompile_steps * buckets
     cfg.checkpoint.enabled = False  # no save (even the final forced one), no resume
     cfg.checkpoint.resume = "none"
 
@@ -60,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     precompile = cli.parse_args(argv).precompile  # also validates and serves --help
     cfg = load_config([a for a in argv if a != "--precompile"], prog=PROG)
     if precompile or cfg.trainium.precompile or extracting_graphs():
-        apply_precompile(cfg)
+        apply_precompile(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
     from training.memory import check_trainium_config
 

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from containers.image import BuildOptions, build, host_pip_settings, spec_of
 from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_hash
 from training.checkpoint import MANIFEST, step_dir_name
+from training.checkpoint.consolidate import load_full
 from training.data import write_synthetic_features
 
 REPO = Path(__file__).resolve().parents[2]
@@ -228,11 +228,12 @@ def train_args(data: str, out: str, config: str) -> list[str]:
 
 def final_state(out: Path, data: str) -> dict:
     path = out / "checkpoints" / step_dir_name(MAX_STEPS)
-    optim = torch.load(path / "optimizer.pt", weights_only=True)
+    full = load_full(path)
+    optim = full["optimizer"]
     state = json.loads((path / "train_state.json").read_text())
     config = state.pop("config")
     assert config.pop("output_dir") and config["data"].pop("path") == data
-    return {"model": load_file(path / "model.safetensors"), "ema": load_file(path / "ema.safetensors"),
+    return {"model": full["model"], "ema": full["ema"],
             "optim": {f"{n}/{k}": torch.as_tensor(v) for n, st in optim["state"].items() for k, v in st.items()},
             "train_state": json.dumps({**state, "config": config}, sort_keys=True)}
 

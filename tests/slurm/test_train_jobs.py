@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from safetensors.torch import load_file
 
 from tests.slurm.conftest import install_package, point_current, skip_unless_required
 from tests.slurm.job_site import free_port, make_env, write_node_profile
+from training.checkpoint.consolidate import load_full
 
 if TYPE_CHECKING:  # conftest modules are not importable by name (several share it)
     from tests.slurm.conftest import JobUser, SlurmCluster
@@ -279,8 +279,8 @@ def test_scancel_then_resubmit_continues_from_last_checkpoint_to_identical_weigh
     assert complete_checkpoints(run_dir)[-1] == MAX_STEPS
 
     # ... and ended exactly where the uninterrupted run did.
-    straight = load_file(site.run_dir(uninterrupted[0]) / "checkpoints" / f"step-{MAX_STEPS:08d}" / "model.safetensors")
-    resumed = load_file(run_dir / "checkpoints" / f"step-{MAX_STEPS:08d}" / "model.safetensors")
+    straight = load_full(site.run_dir(uninterrupted[0]) / "checkpoints" / f"step-{MAX_STEPS:08d}")["model"]
+    resumed = load_full(run_dir / "checkpoints" / f"step-{MAX_STEPS:08d}")["model"]
     assert straight.keys() == resumed.keys()
     different = [name for name in straight if not straight[name].equal(resumed[name])]
     assert not different, f"{len(different)} tensors differ after resume, e.g. {different[:3]}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -35,7 +36,11 @@ def test_bench_gpu_backend_on_cpu_writes_a_valid_result(tmp_path, capsys):
     assert r.latent_hw == [32, 32] and r.resolution_px == 1024 and r.text_tokens == 16
     assert math.isclose(r.samples_per_s_total, 4 * 3 / r.timed_seconds)
     assert r.step_time_p50_s <= r.step_time_p90_s
-    assert r.train_flops_per_sample == flops.train_flops_per_sample(PRESETS["tiny"], 16, (32, 32))
+    # issue 17: FLOPs of the real caption tokens; the computed (here untrimmed: 16 < 64) length beside them
+    assert r.text_tokens_computed == 16 and r.train_flops_per_sample_computed == flops.train_flops_per_sample(
+        PRESETS["tiny"], 16, (32, 32))
+    assert r.train_flops_per_sample == pytest.approx(flops.train_flops_per_sample(
+        PRESETS["tiny"], 16, (32, 32), real_text_tokens=r.text_tokens_real))
     assert r.mfu is None and r.peak_tflops_per_accelerator is None  # no published CPU peak
     assert r.compile_count is None and r.final_loss is not None and math.isfinite(r.final_loss)
     assert r.versions["torch"].startswith("2.") and r.command.startswith("python -m training.bench")
@@ -65,3 +70,98 @@ def test_loop_step_costs_at_most_110_percent_of_a_bare_step(tmp_path):
     assert result.bare_step_s >= bench.MIN_BARE_STEP_S, f"bare step {result.bare_step_s:.3f} s: model too small for the check"
     assert result.ratio <= bench.OVERHEAD_LIMIT, result.line()
     assert statistics.median([result.loop_wall_s, result.bare_wall_s]) > 0
+
+
+def test_bench_records_mfu_on_real_tokens_and_trimmed_text(tmp_path):
+    out = tmp_path / "trim.json"
+    bench.main(["--backend", "gpu", "--config", str(REPO / "training/configs/tiny-cpu.yaml"),
+                "--set", "tensorboard=false", "--set", "text_trim.lengths=[8, 16, 32]", "--steps", "2",
+                "--warmup", "1", "--synthetic", "--text-tokens", "40", "--work-dir", str(tmp_path / "work"),
+                "--out", str(out)])
+    r = BenchResult.load(out)
+    assert r.text_tokens == 40 and 8 <= r.text_tokens_computed <= 16  # synthetic captions: 2..16 real tokens
+    assert 2 <= r.text_tokens_real <= 16 and r.text_tokens_real <= r.text_tokens_computed
+    assert r.train_flops_per_sample < r.train_flops_per_sample_computed < flops.train_flops_per_sample(
+        PRESETS["tiny"], 40, (32, 32))
+    assert r.memory_estimate is not None and r.memory_estimate["mesh"] == "ddp"
+
+
+def test_compare_reference_runs_both_steps_interleaved_and_writes_both(tmp_path, capsys):
+    out = tmp_path / "cmp.json"
+    bench.main(["--backend", "gpu", "--config", str(REPO / "training/configs/tiny-cpu.yaml"),
+                "--set", "tensorboard=false", "--set", "text_trim.lengths=[8, 16, 32]", "--compare-reference",
+                "--set", "precision=bf16-mixed",  # what gpu-check.sh compares (autocast on both sides)
+                "--steps", "2", "--warmup", "1", "--repetitions", "3", "--synthetic", "--text-tokens", "40",
+                "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("compare-reference:")]
+    assert len(line) == 1 and "ratio" in line[0] and "3 interleaved repetitions x 2 steps" in line[0]
+    r = BenchResult.load(out)  # validates the reference block (ratio = ours / reference)
+    ref = r.reference
+    assert ref is not None and len(ref["seconds_ours"]) == len(ref["seconds_reference"]) == 3
+    assert r.steps_timed == 6 and math.isclose(r.timed_seconds, sum(ref["seconds_ours"]))
+    assert math.isclose(ref["samples_per_s_total"], 4 * 6 / sum(ref["seconds_reference"]))
+    assert math.isclose(ref["ratio"], r.samples_per_s_total / ref["samples_per_s_total"])
+    assert ref["text_tokens_computed"] == 40 and r.text_tokens_computed < 40  # reference: padded captions
+    assert ref["weight_update_norm"] > 0 and ref["weight_update_norm_ours"] > 0  # both really trained
+    assert math.isfinite(ref["final_loss"]) and math.isfinite(r.final_loss) and r.precision == "bf16-mixed"
+
+
+def test_reference_step_is_the_diffusers_recipe():
+    """ReferenceStep trains diffusers' own model (no fp32 linear-attention processor, default
+    init) with plain AdamW, and reads sigmas from FlowMatchEulerDiscreteScheduler."""
+    import torch
+
+    from training.reference_step import ReferenceStep
+
+    torch.manual_seed(0)
+    step = ReferenceStep(PRESETS["tiny"], device=torch.device("cpu"), precision="bf16-mixed", lr=1e-3,
+                         flow_shift=3.0)
+    assert type(step.optimizer) is torch.optim.AdamW and not step.optimizer.defaults.get("fused")
+    procs = {type(m.processor).__name__ for m in step.inner.modules() if hasattr(m, "processor")}
+    assert "SanaLinearAttnProcessor2_0" in procs
+    t = step.scheduler.timesteps[[0, 500, 999]]
+    sig = step._sigmas(t, 1)
+    assert torch.allclose(sig, step.scheduler.sigmas[[0, 500, 999]])
+    gen = torch.Generator().manual_seed(1)
+    batch = {"latents": torch.randn(2, 4, 8, 8, generator=gen), "text": torch.randn(2, 6, 8, generator=gen),
+             "text_mask": torch.ones(2, 6, dtype=torch.long)}
+    before = [p.detach().clone() for p in step.inner.parameters()]
+    loss = step(batch)
+    assert torch.isfinite(loss) and loss.dtype == torch.float32
+    assert any(not torch.equal(a, b) for a, b in zip(before, step.inner.parameters(), strict=True))
+
+
+def test_memory_table_covers_every_gpu_config_mesh_and_mode(capsys):
+    bench.main(["--memory-table", "--config", str(REPO / "training/configs/sana-600m-512.yaml")])
+    out = capsys.readouterr().out
+    assert "**sana-600m-512**" in out and "| checkpointing | ddp | fsdp | hsdp |" in out
+    for mode in ("none", "full", "every_n", "selective"):
+        assert f"| {mode} " in out
+
+
+def test_gpu_dry_run_refuses_a_config_that_cannot_fit_naming_the_knob(capsys):
+    config = str(REPO / "training/configs/sana-600m-512.yaml")
+    bench.main(["--dry-run", "--backend", "gpu", "--config", config])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["memory_gib"]["total"] < 80
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--dry-run", "--backend", "gpu", "--config", config, "--set", "data.batch_size=64"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "exceeds its 80 GiB" in err[0] and "model.activation_checkpointing: selective" in err[0]
+
+
+def test_a_result_written_before_issue_17_still_loads(tmp_path):
+    """Older files have no mfu_padded / text_tokens_* / memory_estimate / reference: still valid."""
+    out = tmp_path / "new.json"
+    bench.main(["--backend", "gpu", "--config", str(REPO / "training/configs/tiny-cpu.yaml"), "--set",
+                "tensorboard=false", "--steps", "1", "--warmup", "1", "--synthetic", "--text-tokens", "16",
+                "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+    data = json.loads(out.read_text())
+    for key in ("mfu_padded", "train_flops_per_sample_computed", "text_tokens_real", "text_tokens_computed",
+                "memory_estimate", "reference"):
+        data.pop(key)
+    old = BenchResult.from_dict(data)
+    assert old.mfu_padded is None and old.reference is None
+    data["reference"] = {"samples_per_s_total": 1.0, "ratio": 99.0}
+    with pytest.raises(ValueError, match="reference: ratio disagrees"):
+        BenchResult.from_dict(data)

@@ -24,8 +24,10 @@ from training.checkpoint import (
     find_latest,
     list_complete,
     restore_rng,
+    sha256_file,
     verify,
 )
+from training.checkpoint.consolidate import load_full
 from training.data import FeatureLoader, write_synthetic_features
 from training.ema import EMA, EmaConfig
 from training.errors import UserError
@@ -108,8 +110,37 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert torch.equal(a[key], b[key]), f"{key} differs"
 
 
-def test_layout_manifest_and_train_state(features, tmp_path):
+def test_sharded_layout_manifest_and_train_state(features, tmp_path):
     run = Run(features, tmp_path / "ckpt")
+    run.steps(3)
+    path = run.save()
+    run.close()
+    assert path == tmp_path / "ckpt" / "step-00000003"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000003"]  # no temp dir left
+    names = sorted(p.name for p in path.iterdir())
+    assert names == sorted([MANIFEST, "shard-rank-00000.safetensors", "rng-rank-00000.pt", "train_state.json",
+                            "rank-00000.done.json"])
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["step"] == 3 and manifest["format"] == "sana-checkpoint/2" and manifest["world_size"] == 1
+    assert sorted(manifest["files"]) == sorted(set(names) - {MANIFEST})
+    # the sha256 taken while writing is the sha256 of the bytes on disk
+    assert all(manifest["files"][n]["sha256"] == sha256_file(path / n) for n in manifest["files"])
+    state = json.loads((path / "train_state.json").read_text())
+    assert state["step"] == 3 and state["dataloader"] == run.loader.state_dict()
+    assert state["config"] == {"note": "test"} and state["model_config"]["num_layers"] == 1
+    full = load_full(path)
+    assert_same(full["model"], run.weights())
+    assert_same(full["ema"], run.ema.state_dict())
+    want_opt = run.backend.optimizer_state_dict(run.model, run.optimizer)
+    assert full["optimizer"]["param_groups"] == json.loads(json.dumps(want_opt["param_groups"]))  # JSON: lists
+    for name, entry in want_opt["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(full["optimizer"]["state"][name][key], value), (name, key)
+
+
+def test_full_format_layout_manifest_and_train_state(features, tmp_path):
+    """checkpoint.format: full is the old single-writer format (sana-checkpoint/1)."""
+    run = Run(features, tmp_path / "ckpt", format="full")
     run.steps(3)
     path = run.save()
     run.close()
@@ -162,6 +193,25 @@ def test_resume_continues_bit_identically(features, tmp_path):
     run.close()
 
 
+def test_resume_from_the_old_format_is_bit_identical_and_the_next_save_is_sharded(features, tmp_path):
+    ref = Run(features, tmp_path / "o", format="full")
+    ref.steps(3)
+    ref.save()
+    ref.steps(2)
+    expected, expected_ema = ref.weights(), ref.ema.state_dict()
+    ref.close()
+    run = Run(features, tmp_path / "o")  # format: sharded (the default)
+    assert run.restore() == tmp_path / "o" / "step-00000003"
+    assert json.loads((tmp_path / "o" / "step-00000003" / MANIFEST).read_text())["format"] == "sana-checkpoint/1"
+    run.steps(2)
+    assert_same(run.weights(), expected)
+    assert_same(run.ema.state_dict(), expected_ema)
+    path = run.save()
+    run.close()
+    assert json.loads((path / MANIFEST).read_text())["format"] == "sana-checkpoint/2"
+    assert_same(load_full(path)["model"], expected)
+
+
 def test_every_steps_keep_last_and_no_double_save(features, tmp_path):
     run = Run(features, tmp_path / "c", every_steps=2, keep_last=2)
     saved = run.steps(7)
@@ -179,13 +229,13 @@ def test_find_latest_skips_partial_and_corrupt_checkpoints(features, tmp_path):
     run.steps(10)
     run.close()
     # step 10: a file flipped in place (same size): only the sha256 check catches it
-    with open(root / "step-00000010" / "optimizer.pt", "r+b") as fh:
+    with open(root / "step-00000010" / "shard-rank-00000.safetensors", "r+b") as fh:
         fh.seek(100)
         byte = fh.read(1)
         fh.seek(100)
         fh.write(bytes([byte[0] ^ 0xFF]))
     # step 8: truncated file (size differs from the manifest)
-    with open(root / "step-00000008" / "model.safetensors", "r+b") as fh:
+    with open(root / "step-00000008" / "shard-rank-00000.safetensors", "r+b") as fh:
         fh.truncate(10)
     # step 6: no manifest (as if the manifest write never happened)
     (root / "step-00000006" / MANIFEST).unlink()
@@ -215,7 +265,7 @@ def test_resume_none_explicit_path_and_bad_paths(features, tmp_path):
     assert find_latest(root) == root / "step-00000002"
     with pytest.raises(UserError, match="checkpoint.resume: .*nowhere"):
         Run(features, root, resume=str(tmp_path / "nowhere")).restore()
-    (root / "step-00000002" / "rng.pt").write_bytes(b"garbage")
+    (root / "step-00000002" / "rng-rank-00000.pt").write_bytes(b"garbage")
     with pytest.raises(UserError, match="checkpoint.resume: .*step-00000002 is incomplete or corrupt"):
         Run(features, root, resume=str(root / "step-00000002")).restore()
 
@@ -273,12 +323,12 @@ def test_config_errors_name_the_key(kw, key):
 
 
 def test_fault_hook_is_inert_without_the_env_var(features, tmp_path, monkeypatch):
-    monkeypatch.setenv("SANA_CHECKPOINT_FAULT", "999:after-model")  # another step: no effect
+    monkeypatch.setenv("SANA_CHECKPOINT_FAULT", "999:after-shard")  # another step: no effect
     run = Run(features, tmp_path / "h")
     run.steps(1)
     assert run.save() is not None
     run.close()
-    assert os.environ["SANA_CHECKPOINT_FAULT"] == "999:after-model"
+    assert os.environ["SANA_CHECKPOINT_FAULT"] == "999:after-shard"
 
 
 def test_resume_with_a_changed_config_says_what_changed(features, tmp_path, caplog):
@@ -298,9 +348,10 @@ def test_resume_with_a_changed_config_says_what_changed(features, tmp_path, capl
 def test_a_failed_write_is_one_clear_error_and_leaves_no_partial_checkpoint(features, tmp_path, monkeypatch):
     run = Run(features, tmp_path / "j", every_steps=2)
     run.steps(2)
-    monkeypatch.setenv("SANA_CHECKPOINT_FAULT", "4:after-model:enospc")  # the disk fills up at step 4
+    monkeypatch.setenv("SANA_CHECKPOINT_FAULT", "4:after-shard:enospc")  # the disk fills up at step 4
     with pytest.raises(UserError, match=r"checkpoint.dir: writing .*step-00000004 failed: No space left on device"):
         run.steps(2)
+        run.ckpt.wait()  # an asynchronous save reports at the next save or wait()
     assert sorted(p.name for p in (tmp_path / "j").iterdir()) == ["step-00000002"]
     assert find_latest(tmp_path / "j") == tmp_path / "j" / "step-00000002"
     run.close()

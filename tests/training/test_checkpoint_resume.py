@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from faultproxy import FaultProxy
-from safetensors.torch import load_file
 from test_mirror import Watcher, dangling_manifests
 
 from training.checkpoint import FAULT_ENV, MANIFEST, find_latest, step_dir_name
+from training.checkpoint.consolidate import load_full
 from training.data import write_synthetic_features
 from training.mirror import remote_checkpoints
 
@@ -50,8 +50,9 @@ def run(cmd: list[str], **extra_env: str) -> subprocess.CompletedProcess:
 
 def final_state(out: Path) -> dict[str, dict[str, torch.Tensor]]:
     path = out / "checkpoints" / step_dir_name(MAX_STEPS)
-    optim = torch.load(path / "optimizer.pt", weights_only=True)
-    return {"model": load_file(path / "model.safetensors"), "ema": load_file(path / "ema.safetensors"),
+    full = load_full(path)
+    optim = full["optimizer"]
+    return {"model": full["model"], "ema": full["ema"],
             "optim": {f"{name}/{k}": torch.as_tensor(v) for name, st in optim["state"].items()
                       for k, v in st.items()},
             "train_state": (path / "train_state.json").read_text()}
@@ -106,13 +107,15 @@ def test_sigkill_mid_training_and_mid_checkpoint_write_then_resume_is_bit_identi
     resumed_from = latest_step(out)
     assert EVERY <= resumed_from <= MAX_STEPS - 2 * EVERY
 
-    # 2. SIGKILL inside the next checkpoint write, after the weights file, before the manifest.
+    # 2. SIGKILL inside the next checkpoint write (in the background writer), after the shard
+    #    file, before the done record and the manifest.
     target = resumed_from + EVERY
-    done = run(cmd, **{FAULT_ENV: f"{target}:after-model"})
+    done = run(cmd, **{FAULT_ENV: f"{target}:after-shard"})
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / step_dir_name(resumed_from)}" in done.stderr
     tmp = out / "checkpoints" / f".tmp-step-{target:08d}"
-    assert (tmp / "model.safetensors").exists() and not (tmp / MANIFEST).exists()
+    assert (tmp / "shard-rank-00000.safetensors").exists() and not (tmp / "rank-00000.done.json").exists()
+    assert not (tmp / MANIFEST).exists()
     assert not (out / "checkpoints" / step_dir_name(target)).exists()
     assert latest_step(out) == resumed_from
 
@@ -190,14 +193,14 @@ def test_two_ranks_killed_mid_write_resume_bit_identical(features, tmp_path):
     ref = torchrun(tmp_path / "ref")
     assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "run"
-    done = torchrun(out, **{FAULT_ENV: "8:before-manifest"})
+    done = torchrun(out, **{FAULT_ENV: "8:before-manifest"})  # every rank done, rank 0 dies before the manifest
     assert done.returncode != 0
-    assert (out / "checkpoints" / ".tmp-step-00000008" / "rng-rank-00001.pt").exists()
+    assert (out / "checkpoints" / ".tmp-step-00000008" / "rank-00001.done.json").exists()
     assert latest_step(out) == 4
     done = torchrun(out)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr
-    for name in ("model.safetensors", "ema.safetensors"):
-        want = load_file(tmp_path / "ref" / "checkpoints" / "step-00000008" / name)
-        got = load_file(out / "checkpoints" / "step-00000008" / name)
-        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+    want, got = (load_full(root / "checkpoints" / "step-00000008") for root in (tmp_path / "ref", out))
+    for part in ("model", "ema"):
+        assert want[part].keys() == got[part].keys(), part
+        assert all(torch.equal(want[part][k], got[part][k]) for k in want[part]), part

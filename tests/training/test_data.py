@@ -102,11 +102,11 @@ def test_few_mapped_shards_give_the_same_batches(features: Path, monkeypatch):
     def batches() -> list[torch.Tensor]:
         with FeatureLoader(features, batch_size=4, seed=4, prefetch=0) as loader:
             out = [next(loader)["text"].clone() for _ in range(12)]
-            assert len(loader._decoder._maps) <= training.data.MAX_MAPPED_SHARDS
+            assert len(loader._decoder._maps) <= training.data.decode.MAX_MAPPED_SHARDS
             return out
 
     expected = batches()
-    monkeypatch.setattr(training.data, "MAX_MAPPED_SHARDS", 1)
+    monkeypatch.setattr(training.data.decode, "MAX_MAPPED_SHARDS", 1)
     assert all(torch.equal(a, b) for a, b in zip(batches(), expected, strict=True))
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from training.data import FeatureLoader
 from training.demo import main
 
 
@@ -20,7 +21,14 @@ def test_demo_runs_every_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "Where everything went:" in out
-    assert json.loads((demo.out / "features" / "index.json").read_text())["num_samples"] == demo.samples
+    index = json.loads((demo.out / "features" / "index.json").read_text())
+    assert index["num_samples"] == demo.samples
+    # mixed-shape images went into Sana's aspect-ratio buckets, and the training run's order
+    # (tiny-cpu.yaml: batch 4, data.seed 0) switches between them
+    assert {n: b["samples"] for n, b in index["buckets"].items()} == {"0.5": 16, "1.0": 32, "2.0": 16}
+    assert "aspect-ratio buckets" in demo.where and "0.5: 16 x 4x22x44" in out
+    loader = FeatureLoader(demo.out / "features", batch_size=4, seed=0, prefetch=0)
+    assert len({loader.bucket_at(0, s).name for s in range(12)}) >= 2
     assert demo.where["resumed from"].name == "step-00000006"
     assert (demo.out / "run" / "checkpoints" / "step-00000012" / "manifest.json").exists()
     steps = [json.loads(line)["step"] for line in (demo.out / "run" / "metrics.jsonl").read_text().splitlines()]

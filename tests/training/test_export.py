@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.training.cpu_run import train_on_cpu
+from training.checkpoint.consolidate import iter_full
 from training.config import config_from_dict, load_yaml
 from training.data import write_synthetic_features
 from training.export import main
@@ -22,20 +23,36 @@ CAPTIONS = ["a red square on a white background", "a blue circle in the sky", "a
             "a small yellow house", "an empty grey room"]
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """Four steps of the real loop with EMA, checkpointed at 2 and 4."""
-    base = tmp_path_factory.mktemp("export")
+def _train(tmp_path_factory, fmt: str) -> Path:
+    base = tmp_path_factory.mktemp(f"export-{fmt}")
     write_synthetic_features(base / "features", num_samples=8, latent_shape=(4, 8, 8), text_dim=8,
                              max_text_tokens=8, text_tokens=(1, 8))
     tree = load_yaml(REPO / "training/configs/tiny-cpu.yaml")
     tree.update(max_steps=4, output_dir=str(base / "run"), tensorboard=False, log_every=2)
     tree["data"].update(path=str(base / "features"), prefetch=1)
-    tree["checkpoint"].update(every_steps=2)
+    tree["checkpoint"].update(every_steps=2, format=fmt)
     tree["ema"] = {"decay": 0.5}
     cfg = config_from_dict(tree)
     train_on_cpu(cfg)
     return base / "run"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """Four steps of the real loop with EMA, checkpointed (sharded) at 2 and 4."""
+    return _train(tmp_path_factory, "sharded")
+
+
+def test_export_reads_the_old_single_file_format_too(run_dir, tmp_path_factory, tmp_path):
+    """The same run saved as sana-checkpoint/1 exports to the same diffusers weights."""
+    old_run = _train(tmp_path_factory, "full")
+    assert (old_run / "checkpoints" / "step-00000004" / "model.safetensors").exists()
+    for args, name in (([], "raw"), (["--ema"], "ema")):
+        main([str(old_run), "--out", str(tmp_path / f"old-{name}"), *args])
+        main([str(run_dir), "--out", str(tmp_path / f"new-{name}"), *args])
+        old = load_file(tmp_path / f"old-{name}" / "diffusion_pytorch_model.safetensors")
+        new = load_file(tmp_path / f"new-{name}" / "diffusion_pytorch_model.safetensors")
+        assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old), name
 
 
 def test_export_loads_with_from_pretrained_and_matches_the_checkpoint(run_dir, tmp_path, capsys):
@@ -45,12 +62,12 @@ def test_export_loads_with_from_pretrained_and_matches_the_checkpoint(run_dir, t
     assert json.loads(capsys.readouterr().out)["checkpoint"].endswith("step-00000004")
     main([str(run_dir / "checkpoints" / "step-00000004"), "--out", str(tmp_path / "ema"), "--ema"])
     ckpt = run_dir / "checkpoints" / "step-00000004"
-    for name, source in (("raw", "model.safetensors"), ("ema", "ema.safetensors")):
+    for name, source in (("raw", "model"), ("ema", "ema")):
         assert sorted(p.name for p in (tmp_path / name).iterdir()) == [
             "config.json", "diffusion_pytorch_model.safetensors", "text_conditioning.json",
             "training_provenance.json"]
         model = SanaTransformer2DModel.from_pretrained(tmp_path / name)
-        want = load_file(ckpt / source)
+        want = dict(iter_full(ckpt, source))  # consolidated from the rank shards
         got = model.state_dict()
         assert want.keys() <= got.keys()
         for key, value in want.items():
@@ -131,9 +148,9 @@ def test_export_errors_are_one_line(run_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([str(ckpt), "--out", str(tmp_path / "busy")])
     assert exc.value.code == 2 and "--out" in capsys.readouterr().err
-    (ckpt / "ema.safetensors").unlink()
+    (ckpt / "shard-rank-00000.safetensors").unlink()
     with pytest.raises(SystemExit):
-        main([str(ckpt), "--out", str(tmp_path / "x")])  # manifest lists ema.safetensors
+        main([str(ckpt), "--out", str(tmp_path / "x")])  # manifest lists the shard
     assert "do not match manifest.json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([str(tmp_path / "nothing"), "--out", str(tmp_path / "y")])

@@ -85,3 +85,24 @@ def test_real_text_tokens_count_only_real_caption_tokens():
     assert padded - real == pytest.approx(3 * text_terms, rel=1e-12)
     with pytest.raises(ValueError, match="real_text_tokens 301"):
         flops.train_flops_per_sample(kw, 300, (16, 16), real_text_tokens=301)
+
+
+# tiny, sana-600m-512 and sana-1600m-1024 are checked above; this covers the rest (presets added later too)
+@pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"tiny", "sana-600m-512", "sana-1600m-1024"}))
+def test_every_preset_matches_the_counter_at_its_own_resolution(preset):
+    """Every preset in training/model.py (new ones included), at its sample size and 300 tokens."""
+    kw = PRESETS[preset]
+    size = int(kw.get("sample_size", 32))
+    counted = flops.counted_train_flops_per_sample(kw, 300, (size, size), device="meta", batch=1)
+    useful, computed = flops.batch_train_flops(kw, (size, size), 300)
+    assert useful == computed and abs(computed / counted - 1) <= 0.05
+
+
+def test_batch_flops_split_useful_from_computed_for_a_trimmed_batch():
+    kw = PRESETS["sana-600m-512"]
+    useful, computed = flops.batch_train_flops(kw, (16, 16), 128, real_text_tokens=80)
+    assert useful == flops.train_flops_per_sample(kw, 300, (16, 16), real_text_tokens=80)  # padding-free
+    assert computed == flops.train_flops_per_sample(kw, 128, (16, 16))
+    padded = flops.train_flops_per_sample(kw, 300, (16, 16))
+    assert useful < computed < padded
+    assert 0.08 < 1 - computed / padded < 0.15  # trimming 300 -> 128 saves ~11% of a 600M-512 step's FLOPs

@@ -12,6 +12,7 @@ AdamW normalises into steps of up to lr; there the bound is lr * steps.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -83,3 +84,61 @@ def test_fsdp_two_ranks_equal_one_process_with_double_batch(runs) -> None:
     name = "proj_out.weight"
     stitched = torch.cat([ranks[0]["local"][name], ranks[1]["local"][name]])
     torch.testing.assert_close(stitched, ranks[0]["full"][name], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_mesh_equals_one_process_with_the_global_batch(runs) -> None:
+    """HSDP on 4 gloo ranks as 2 "nodes" x 2: shard within a pair, replicate across pairs. Same
+    global batch as one process (which DDP matches, test above), with 2 accumulated
+    micro-batches so the no-sync path (gradient sync off for the first) runs: same loss and
+    weights."""
+    tmp, _ = runs
+    accum = ("--set", "optim.grad_accum_steps=2")
+    ref = launch(tmp, "single-accum", 1, 4, *accum)[0]
+    ranks = launch(tmp, "hsdp", 4, 1, "--set", "gpu.distributed=hsdp", "--set", "gpu.shard_group_size=2", *accum)
+    assert ranks[0]["describe"]["mesh"] == {"replicate": 2, "shard": 2}
+    assert_close(ranks[0]["full"], ref["full"])
+    # each rank logs the loss of its own slice: their mean is the global batch's loss
+    assert sum(r["loss"] for r in ranks) / 4 == pytest.approx(ref["loss"], rel=1e-5)
+    name = "proj_out.weight"
+    # ranks 0,1 (node 0) hold the two halves; rank 2 (node 1) holds rank 0's half again
+    stitched = torch.cat([ranks[0]["local"][name], ranks[1]["local"][name]])
+    torch.testing.assert_close(stitched, ranks[0]["full"][name], rtol=0, atol=0)
+    assert torch.equal(ranks[2]["local"][name], ranks[0]["local"][name])
+    assert ranks[0]["local"][name].shape[0] * 2 == ranks[0]["full"][name].shape[0]
+
+
+@pytest.mark.slow
+def test_ddp_bf16_gradient_compression_runs_and_stays_close(runs) -> None:
+    """gpu.ddp_grad_compression=bf16: gradients all-reduced in bf16 (~3 significant digits) move
+    AdamW's weights by a little: not the fp32 result bit for bit, but close. AdamW normalises
+    each element's step, so an element whose gradient is ~0 (ranks nearly cancelling) can take
+    a step of up to lr either way: the bound is 1e-4 for all but <1% of the elements, lr*steps
+    for those."""
+    tmp, ref = runs
+    ranks = launch(tmp, "ddp-bf16", 2, 2, "--set", "gpu.ddp_grad_compression=bf16")
+    assert ranks[0]["describe"]["ddp_grad_compression"] == "bf16"
+    want = ref["single"][0]["full"]
+    diffs = torch.cat([(ranks[0]["full"][k].float() - want[k].float()).abs().flatten() for k in want])
+    assert diffs.max() > ATOL  # the hook ran: not the fp32 all-reduce's result
+    assert diffs.max() <= LR * STEPS
+    assert (diffs > 1e-4).float().mean() < 0.01, (diffs > 1e-4).sum()
+    for key, value in ranks[0]["local"].items():  # still replicas
+        assert torch.equal(value, ranks[1]["local"][key]), key
+
+
+@pytest.mark.slow
+def test_hsdp_checkpoint_resume_continues_the_run(runs) -> None:
+    """HSDP (2 x 2) stopped after 2 steps with a checkpoint and resumed to 4 ends where one
+    process running 4 steps straight ends: weights, AdamW state and data position restored."""
+    tmp, _ = runs
+    constant = ("--set", "optim.schedule=constant")  # a cosine over max_steps would differ between the runs
+    ref = launch(tmp, "single-constant", 1, 4, *constant)[0]
+    hsdp = ("--set", "gpu.distributed=hsdp", "--set", "gpu.shard_group_size=2", "--set", "checkpoint.every_steps=2",
+            *constant)
+    launch(tmp, "hsdp-resume", 4, 1, *hsdp, "--max-steps", "2")
+    ranks = launch(tmp, "hsdp-resume", 4, 1, *hsdp)
+    run = tmp / "hsdp-resume" / "run"
+    # the second launch resumed at step 2 (a fresh start would log step 2 again)
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [2, 4]
+    assert_close(ranks[0]["full"], ref["full"])

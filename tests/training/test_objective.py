@@ -117,3 +117,22 @@ def test_overfits_one_batch() -> None:
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] <= 0.5 * losses[0], (losses[0], losses[-1])
+
+
+def test_null_caption_is_cut_to_a_trimmed_batch_and_untouched_at_the_padded_length() -> None:
+    """Caption trimming (training/text_trim.py): the null caption follows the batch's length;
+    at the padded length the very same tensors are used (no slice: the XLA graph is unchanged)."""
+    null_text, null_mask = _null()
+    objective = RectifiedFlow(ObjectiveConfig(), vae_scaling_factor=SCALE, null_text=null_text, null_mask=null_mask)
+    text, mask = objective.null_caption(N)
+    assert text is null_text and mask is null_mask
+    text, mask = objective.null_caption(2)
+    assert torch.equal(text, null_text[:2]) and torch.equal(mask, null_mask[:2])
+
+
+def test_only_the_gpu_backend_trims_captions() -> None:
+    from training.backends.base import Backend
+    from training.backends.gpu import GpuBackend
+    from training.backends.neuron import NeuronBackend
+
+    assert GpuBackend.trims_text and not NeuronBackend.trims_text and not Backend.trims_text

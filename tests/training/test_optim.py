@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from test_input_pipeline import _final as all_tensors
 from test_loop import run, tiny_config
 
 from training.backends.gpu import GpuBackend, GpuConfig
 from training.backends.state import from_named_optimizer_state, to_named_optimizer_state
 from training.came import CAME
-from training.checkpoint import step_dir_name
 from training.data import write_synthetic_features
 from training.errors import UserError
 from training.model import ModelConfig, build_model
@@ -182,10 +181,8 @@ def features(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _final(out: Path, step: int) -> dict[str, torch.Tensor]:
-    path = out / "checkpoints" / step_dir_name(step)
-    optim = torch.load(path / "optimizer.pt", weights_only=True)
-    flat = {f"optim/{n}/{k}": torch.as_tensor(v) for n, st in optim["state"].items() for k, v in st.items()}
-    return {**{f"model/{k}": v for k, v in load_file(path / "model.safetensors").items()}, **flat}
+    # every tensor of the checkpoint, whichever file layout training/checkpoint writes
+    return all_tensors(out, step)["tensors"]
 
 
 def test_came_run_resumes_bit_identically(features: Path, tmp_path: Path) -> None:
@@ -202,3 +199,62 @@ def test_came_run_resumes_bit_identically(features: Path, tmp_path: Path) -> Non
     assert want.keys() == got.keys() and any(k.endswith("exp_avg_res_row") for k in want)
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+# ----- fused AdamW ----------------------------------------------------------------------------
+def _bf16_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        opt.zero_grad()
+        model(torch.randn(16, 6, generator=g).bfloat16()).float().square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_adamw_is_the_default_and_steps_like_foreach(dtype: torch.dtype) -> None:
+    """optim.fused picks torch's fused kernel on CPU/CUDA; its updates are AdamW's with the same
+    param groups, for fp32 and bf16 parameters."""
+    start = _problem().to(dtype).state_dict()
+    models, opts = [], []
+    for fused in (True, False):
+        model = _problem().to(dtype)
+        opt = optimizer_factory(OptimConfig(lr=1e-2, weight_decay=0.1, fused=fused), model)(model.parameters())
+        _steps(model, opt, 5) if dtype == torch.float32 else _bf16_steps(model, opt, 5)
+        models.append(model)
+        opts.append(opt)
+    assert opts[0].defaults["fused"] is True and not opts[1].defaults["fused"]
+    assert [len(g["params"]) for g in opts[0].param_groups] == [len(g["params"]) for g in opts[1].param_groups]
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters(), strict=True):
+        assert a.dtype == dtype and not torch.equal(a, start[name])  # it moved
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_fused_falls_back_where_torch_has_no_fused_kernel() -> None:
+    """Parameters on a device without fused AdamW (meta here, XLA on Trainium) keep foreach/for-loop."""
+    model = torch.nn.Linear(3, 3, device="meta")
+    opt = optimizer_factory(OptimConfig(), model)(model.parameters())
+    assert not opt.defaults["fused"]
+
+
+@pytest.mark.parametrize("saved_fused", [False, True])
+def test_checkpoint_resumes_with_this_runs_implementation(saved_fused: bool) -> None:
+    """A foreach checkpoint (before optim.fused existed) resumes under fused AdamW and a fused
+    one under foreach (Trainium's XLA parameters have no fused kernel); both continue alike."""
+    model = _problem()
+    old = optimizer_factory(OptimConfig(lr=1e-2, fused=saved_fused), model)(model.parameters())
+    _steps(model, old, 3)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = to_named_optimizer_state(model, old)
+    finals = []
+    for fused in (True, False):
+        model.load_state_dict(weights)
+        opt = optimizer_factory(OptimConfig(lr=1e-2, fused=fused), model)(model.parameters())
+        from_named_optimizer_state(model, opt, {**state, "state": {
+            n: {k: v.clone() for k, v in s.items()} for n, s in state["state"].items()}})
+        # the group keeps this run's implementation, not the checkpoint's
+        assert bool(opt.param_groups[0]["fused"]) is fused
+        _steps(model, opt, 2, seed=2)
+        finals.append({k: v.clone() for k, v in model.state_dict().items()})
+    for name, want in finals[1].items():
+        torch.testing.assert_close(finals[0][name], want, rtol=1e-5, atol=1e-6, msg=name)

@@ -113,8 +113,10 @@ def test_folder_end_to_end_and_resume(models, loaded, tmp_path: Path, capsys):
     assert tc["tokenizer"]["vocab_size"] > 100 and len(tc["tokenizer"]["fingerprint"]) == 64
     assert len(index["validation"]["prompts"]) == 6 and (out / "validation_prompts.safetensors").exists()
     assert all(json.loads(p.read_text())["chi_sha256"] == tc["chi_sha256"] for p in out.glob("shard-*.json"))
-    err = capsys.readouterr().err
-    assert "1 images under" in err and "broken: unreadable image" in err
+    captured = capsys.readouterr()
+    assert "1 images under" in captured.err and "broken: unreadable or corrupt image" in captured.err
+    assert index["created_by"]["skipped_reasons"] == {"unreadable or corrupt image": 1}
+    assert "precompute: skipped 1 images: unreadable or corrupt image" in captured.out
 
     # a shard holds exactly what the models give for that sample (bf16)
     vae, text_encoder, tokenizer = loaded
@@ -231,3 +233,47 @@ def test_shard_with_only_unreadable_images_is_left_out(models, tmp_path: Path):
     assert [(s["name"], s["samples"]) for s in index["shards"]] == [("shard-00001.tar", 1), ("shard-00002.tar", 1)]
     assert json.loads((tmp_path / "out" / "shard-00000.json").read_text())["skipped"] == ["0-broken"]
     assert next(FeatureLoader(tmp_path / "out", batch_size=2, prefetch=0))["latents"].shape == (2, 4, 32, 32)
+
+
+def test_buckets_mixed_shapes_skips_and_loader(models, loaded, tmp_path: Path, capsys):
+    """--buckets 512 (scaled to the tiny VAE's 64 px): three aspect ratios land in three
+    buckets at Sana's sizes, a tiny and a corrupt image are skipped with one summary line
+    per reason, each stored latent is the VAE's encoding of the cover-resize + centre crop,
+    and every loader batch is one bucket."""
+    from training.precompute import preprocess_to
+
+    raw = tmp_path / "raw"
+    for sub, aspect, num in (("square", 1.0, 5), ("tall", 2.0, 4), ("wide", 0.5, 3)):
+        write_image_caption_folder(raw / sub, num=num, size=80 if aspect != 0.5 else 160, aspect=aspect, seed=7)
+    write_image_caption_folder(raw / "tiny", num=1, size=12, seed=8)  # 12x12 -> 64x64 is 5.3x > 2x
+    (raw / "broken.png").write_bytes(b"\x89PNG truncated")
+    (raw / "broken.txt").write_text("a red ring\n")
+    out = tmp_path / "features"
+    index = main(args(models, raw, out, "--buckets", "512", "--samples-per-shard", "5"))
+    # Sana's ASPECT_RATIO_512 "0.5": [352, 704], "1.0": [512, 512], "2.0": [704, 352] px, x 64/512, / 2 (VAE)
+    assert index["buckets"] == {"0.5": {"latent_shape": [4, 22, 44], "samples": 3},
+                                "1.0": {"latent_shape": [4, 32, 32], "samples": 5},
+                                "2.0": {"latent_shape": [4, 44, 22], "samples": 4}}
+    assert index["latent_shape"] == [4, 32, 32]  # the most populous bucket
+    assert index["created_by"]["skipped_reasons"] == {"too small for its bucket": 1, "unreadable or corrupt image": 1}
+    stdout = capsys.readouterr().out
+    assert "precompute: skipped 1 images: too small for its bucket" in stdout
+    assert "precompute: bucket 2.0: 4 samples, latents 4x44x22" in stdout
+
+    # a stored sample is the VAE's encoding of Sana's resize + crop to its bucket (within one
+    # bf16 step: precompute encodes a batch, see test_folder_end_to_end_and_resume)
+    vae = loaded[0]
+    stored = {}
+    for shard in out.glob("shard-*.tar"):
+        with tarfile.open(shard) as tar:
+            stored.update({m.name: st_load(tar.extractfile(m).read())["latents"] for m in tar.getmembers()})
+    for key, size in (("tall__000001", (88, 44)), ("wide__000002", (44, 88)), ("square__000003", (64, 64))):
+        with torch.no_grad():
+            expected = vae.encode(preprocess_to((raw / key.replace("__", "/")).with_suffix(".png").read_bytes(),
+                                                size)[None]).latent[0]
+        torch.testing.assert_close(stored[f"{key}.safetensors"].float(), expected.bfloat16().float(),
+                                   rtol=2.0**-7, atol=1e-3)
+
+    with FeatureLoader(out, batch_size=3, prefetch=0) as loader:
+        shapes = [tuple(next(loader)["latents"].shape) for _ in range(loader.steps_per_epoch)]
+    assert sorted(shapes) == [(3, 4, 22, 44), (3, 4, 32, 32), (3, 4, 44, 22)]  # 3//3 + 5//3 + 4//3 steps

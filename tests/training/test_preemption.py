@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from training.checkpoint import find_latest, step_dir_name, verify
+from training.checkpoint.consolidate import load_full
 from training.data import write_synthetic_features
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,8 +44,9 @@ def logged_steps(out: Path) -> list[int]:
 
 
 def tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    optim = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    return {**{f"model/{k}": v for k, v in load_file(ckpt / "model.safetensors").items()},
+    full = load_full(ckpt)
+    optim = full["optimizer"]
+    return {**{f"model/{k}": v for k, v in full["model"].items()},
             **{f"optim/{name}/{k}": torch.as_tensor(v) for name, st in optim["state"].items()
                for k, v in st.items()}}
 

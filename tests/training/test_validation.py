@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.conftest import xla_python
 from tests.training.cpu_run import train_on_cpu
 from training.backends.gpu import GpuBackend
+from training.checkpoint.consolidate import load_full
 from training.config import config_from_dict, load_yaml
 from training.data import FeatureLoader, write_synthetic_features
 from training.errors import UserError
@@ -77,11 +77,12 @@ def run(cfg, resume: str = "none"):
 
 def final(out: Path, step: int) -> dict:
     ckpt = out / "checkpoints" / f"step-{step:08d}"
-    optim = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    full = load_full(ckpt)
+    optim = full["optimizer"]
     state = json.loads((ckpt / "train_state.json").read_text())
     for volatile in ("config", "provenance", "created_at", "time"):
         state.pop(volatile, None)
-    return {"model": load_file(ckpt / "model.safetensors"), "ema": load_file(ckpt / "ema.safetensors"),
+    return {"model": full["model"], "ema": full["ema"],
             "optim": {f"{n}/{k}": torch.as_tensor(v) for n, st in optim["state"].items() for k, v in st.items()},
             "state": state}
 

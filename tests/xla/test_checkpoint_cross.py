@@ -7,21 +7,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from xla_helpers import tiny_config
 
 from training.backends.gpu import GpuBackend, GpuConfig
 from training.backends.neuron import NeuronBackend
 from training.backends.neuron_config import NeuronConfig
-from training.checkpoint import MODEL_FILE, OPTIMIZER_FILE, STATE_FILE, find_latest, verify
+from training.checkpoint import STATE_FILE, find_latest, verify
+from training.checkpoint.consolidate import load_full
 from training.loop import train
 from training.model import ModelConfig, build_model
 from training.optim import OptimConfig, optimizer_factory
 
 
 def _files(ckpt: Path) -> tuple[dict, dict]:
-    return (load_file(str(ckpt / MODEL_FILE)),
-            torch.load(ckpt / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
+    """(model state, portable optimizer state) of either checkpoint format, consolidated."""
+    full = load_full(ckpt)
+    return full["model"], full["optimizer"]
 
 
 def _assert_same_optimizer_state(got: dict, want: dict) -> None:

@@ -25,7 +25,7 @@ def test_gradient_checkpointing_uses_torch_xla_and_matches(features):
 
     model = ckpt["module"]
     assert model.is_gradient_checkpointing
-    assert model._gradient_checkpointing_func is checkpoint
+    assert model._checkpoint_fn is checkpoint  # training/activation_checkpointing.py's hook
     (pl, pn), (cl, cn) = plain["logged"][0], ckpt["logged"][0]
     assert cl == pytest.approx(pl, rel=1e-4)
     assert cn == pytest.approx(pn, rel=1e-4)
@@ -34,3 +34,16 @@ def test_gradient_checkpointing_uses_torch_xla_and_matches(features):
         # random sign (see test_parity.py), so it is held to one step's size
         atol = 2e-3 if name.endswith("to_k.bias") else 1e-6
         torch.testing.assert_close(ckpt["model"][name], p, rtol=1e-4, atol=atol, msg=name)
+
+
+def test_selective_checkpointing_is_refused_on_trainium():
+    """Op-level SAC needs eager per-op dispatch, which lazy XLA tracing does not give."""
+    from training.errors import UserError
+    from training.model import ModelConfig, build_model
+
+    backend = NeuronBackend(NeuronConfig(), precision="fp32")
+    backend.init()
+    model = build_model(ModelConfig(preset="tiny", activation_checkpointing="selective"))
+    with pytest.raises(UserError, match=r"'selective' is not supported on the trainium backend; use one of "
+                                        r"none, full, every_n"):
+        backend.prepare_model(model)

@@ -7,7 +7,8 @@ for autocast, an immediate call for ``on_host``), never an ``if xla:`` in the lo
 
 All state dicts crossing this seam are *full, unsharded, CPU* tensors keyed by the
 unwrapped model's parameter names, so a checkpoint written by one backend resumes
-under the other (training/checkpoint.py stores them as they come).
+under the other. The exception is the sharded-checkpoint seam (``sharded_state`` /
+``load_sharded_state``): each rank's own rows, never gathered (training/checkpoint/).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class Backend(abc.ABC):
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    #: True when batches may change their caption length from step to step (training/text_trim.py):
+    #: eager backends; False keeps the padded length (XLA: a new shape is a new graph)
+    trims_text: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -128,6 +132,22 @@ class Backend(abc.ABC):
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: Mapping[str, Any]) -> None:
         """Inverse of ``optimizer_state_dict``; each rank keeps only its shard if sharded."""
+
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """This rank's rows of the trainable weights, buffers and optimizer state, nothing
+        gathered (a ``training.backends.state.ShardedState``; sharded checkpoints). Not a
+        collective. The default covers plain, DDP and FSDP2/HSDP (DTensor) models."""
+        from training.backends.state import sharded_state
+
+        return sharded_state(self.unwrap(model), optimizer, self.rank, self.world_size)
+
+    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, read: Any, *,
+                           keys: set[str], values: Mapping[str, Any], param_groups: list[dict[str, Any]]) -> None:
+        """Inverse of ``sharded_state`` under any world size: each rank reads only its rows
+        through ``read`` (training/backends/state.py ``load_sharded_state``)."""
+        from training.backends.state import load_sharded_state
+
+        load_sharded_state(self.unwrap(model), optimizer, read, keys=keys, values=values, param_groups=param_groups)
 
     def rng_state(self) -> dict[str, Any]:
         """Device RNG state to checkpoint (CUDA / XLA generator); CPU/python/numpy RNG is

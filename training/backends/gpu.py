@@ -45,6 +45,7 @@ from training.backends.state import from_named_optimizer_state, to_named_optimiz
 from training.errors import UserError
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+DISTRIBUTED = ("ddp", "fsdp", "hsdp")
 #: the one line a GPU run with ``precision: bf16`` fails with (see the module docstring)
 GPU_BF16_REFUSED = ("precision: 'bf16' (pure bf16 weights and AdamW state) is refused on the GPU backend: "
                     "without stochastic rounding updates below half a bf16 ulp are lost; use "
@@ -55,22 +56,49 @@ GPU_BF16_REFUSED = ("precision: 'bf16' (pure bf16 weights and AdamW state) is re
 class GpuConfig:
     """GPU-backend options (section ``gpu`` of the training config)."""
 
-    #: "ddp" (replicated weights; 600M) or "fsdp" (FSDP2 fully_shard; 1.6B)
+    #: "ddp" (replicated weights; 600M), "fsdp" (FSDP2 fully_shard over all ranks) or "hsdp"
+    #: (FSDP2 on a 2-D mesh: shard within a group of ``shard_group_size`` ranks - a node -,
+    #: replicate across groups; 1.6B on many nodes: only the gradient all-reduce crosses nodes)
     distributed: str = "ddp"
-    #: torch.compile the model (first step costs 1-2 min; ~10-25% faster after)
+    #: hsdp: ranks per shard group; 0 = LOCAL_WORLD_SIZE (the GPUs of one node)
+    shard_group_size: int = 0
+    #: ddp: "bf16" all-reduces gradients in bf16 (torch's bf16_compress_hook: half the bytes,
+    #: fp32 gradients again after the reduce) or "none" (fp32 all-reduce)
+    ddp_grad_compression: str = "none"
+    #: torch.compile each transformer block before wrapping (training/compile.py; first step
+    #: compiles, later runs load kernels from ``compile_cache_dir``)
     compile: bool = False
+    #: inductor cache directory (per user; on FSx so every node and restart reuses it);
+    #: skipped when the FSx root ($SANA_FSX, else /fsx) does not exist; "" = torch's default
+    compile_cache_dir: str = "${SANA_FSX:-/fsx}/cache/inductor/${USER}"
     #: TF32 tensor-core matmuls for fp32 ops (Ampere+); no effect on CPU
     tf32: bool = True
     #: FSDP2: keep parameters unsharded after forward (faster backward, more memory)
     fsdp_reshard_after_forward: bool = True
+    #: read one batch ahead and copy it on a side CUDA stream while the step runs
+    #: (training/input_pipeline.py): "auto" = on CUDA; "on" also on CPU (the read-ahead alone,
+    #: for tests of the resume position); "off" = copy each batch when the step asks for it
+    device_prefetch: str = "auto"
+    #: before step 0, estimate memory per GPU (training/memory.py) and refuse a config that
+    #: cannot fit, naming the knob: "auto" = on CUDA (a CPU run has no device memory to
+    #: protect, and the estimate costs seconds), "on" = always (80 GB assumed off CUDA), "off"
+    memory_check: str = "auto"
     #: process-group timeout in minutes (large checkpoints and S3 waits need slack)
     timeout_minutes: int = 30
 
     def __post_init__(self) -> None:
-        if self.distributed not in ("ddp", "fsdp"):
-            raise ValueError(f"gpu.distributed: {self.distributed!r} is not one of 'ddp', 'fsdp'")
+        if self.distributed not in DISTRIBUTED:
+            raise ValueError(f"gpu.distributed: {self.distributed!r} is not one of {', '.join(DISTRIBUTED)}")
+        if self.shard_group_size < 0:
+            raise ValueError("gpu.shard_group_size: must be >= 0 (0 = GPUs per node)")
+        if self.ddp_grad_compression not in ("none", "bf16"):
+            raise ValueError(f"gpu.ddp_grad_compression: {self.ddp_grad_compression!r} is not one of none, bf16")
         if self.timeout_minutes <= 0:
             raise ValueError("gpu.timeout_minutes: must be > 0")
+        if self.memory_check not in ("auto", "on", "off"):
+            raise ValueError(f"gpu.memory_check: {self.memory_check!r} is not one of auto, on, off")
+        if self.device_prefetch not in ("auto", "on", "off"):
+            raise ValueError(f"gpu.device_prefetch: {self.device_prefetch!r} is not one of auto, on, off")
 
 
 def _free_port() -> int:
@@ -92,6 +120,29 @@ def _cast_floats_to_bf16(module: nn.Module, args: tuple, kwargs: dict) -> tuple[
     return tuple(cast("", a) for a in args), {k: cast(k, v) for k, v in kwargs.items()}
 
 
+def _bf16_compress_hook(device: torch.device) -> Callable[..., Any]:
+    """DDP comm hook all-reducing gradient buckets in bf16: each bucket is cast to bf16 and
+    divided by the world size, all-reduced, and copied back into the fp32 bucket
+    (https://docs.pytorch.org/docs/stable/ddp_comm_hooks.html ``bf16_compress_hook``).
+
+    On CUDA that is torch's ``bf16_compress_hook``. DDP refuses it by name without NCCL
+    ("BF16 all reduce communication hook required CUDA 11+ and NCCL 2.10+"), so gloo (CPU
+    tests) gets the function it is a one-line wrapper of, ``_compress_hook(torch.bfloat16, ...)``
+    (torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py): the same arithmetic.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if device.type == "cuda":
+        return default_hooks.bf16_compress_hook
+
+    # Unannotated on purpose: DDP checks a hook's annotations against dist.GradBucket, and
+    # this module's postponed (string) annotations would not compare equal.
+    def gloo_bf16_compress_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+        return default_hooks._compress_hook(torch.bfloat16, process_group, bucket)
+
+    return gloo_bf16_compress_hook
+
+
 def accelerator_key(device_name: str, memory_bytes: int) -> str:
     """torch's device name -> the training.flops accelerator key (its MFU peak), else the name.
 
@@ -109,6 +160,7 @@ class GpuBackend(Backend):
     """torch.distributed backend for CUDA devices, or CPU processes in tests and the demo."""
 
     name = "gpu"
+    trims_text = True  # eager / torch.compile: a few caption lengths are a few shapes
 
     def __init__(self, cfg: GpuConfig, *, precision: str = "bf16-mixed") -> None:
         if precision not in PRECISIONS:
@@ -120,6 +172,7 @@ class GpuBackend(Backend):
         self.device = torch.device("cpu")
         self._ddp: nn.Module | None = None
         self._fsdp_root: nn.Module | None = None
+        self.mesh: Any = None  # the FSDP/HSDP DeviceMesh (None under DDP)
         self._owns_group = False
         self._last_step_event: torch.cuda.Event | None = None
 
@@ -138,7 +191,7 @@ class GpuBackend(Backend):
             # than they give there (measured 15x slower with 2 threads on 2 busy cores).
             # OMP_NUM_THREADS overrides.
             torch.set_num_threads(1)
-        needs_group = self.world_size > 1 or self.cfg.distributed == "fsdp"
+        needs_group = self.world_size > 1 or self.cfg.distributed != "ddp"
         if needs_group and not dist.is_initialized():
             kw: dict[str, Any] = {}
             if "MASTER_ADDR" not in os.environ:  # a lone process (FSDP on one device)
@@ -156,23 +209,54 @@ class GpuBackend(Backend):
 
     # ----- model and optimizer ---------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Activation checkpointing (set by build_model) -> per-block compile -> FSDP/HSDP or
+        DDP: torchtitan's order (parallelize.py: "turn on per-TransformerBlock compile after
+        AC wrapping and before FSDP")."""
         model.to(self.device)
-        if self.cfg.distributed == "fsdp":
+        if self.cfg.compile:
+            from training.compile import compile_blocks, configure_cache
+
+            configure_cache(self.cfg.compile_cache_dir)
+            compile_blocks(model)
+        if self.cfg.distributed in ("fsdp", "hsdp"):
             model = self._fully_shard(model)
         elif self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             model = self._ddp = DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        if self.cfg.compile:
-            model = torch.compile(model)
+            if self.cfg.ddp_grad_compression == "bf16":
+                model.register_comm_hook(None, _bf16_compress_hook(self.device))
         return model
 
-    def _fully_shard(self, model: nn.Module) -> nn.Module:
+    def shard_group_size(self) -> int:
+        """Ranks per HSDP shard group (gpu.shard_group_size, else the ranks of one node)."""
+        size = self.cfg.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        if size < 1 or self.world_size % size:
+            raise UserError(f"gpu.shard_group_size: {size} does not divide the world size {self.world_size}; "
+                            "set it to the GPUs per node (or a divisor of the world size)")
+        return size
+
+    def build_mesh(self) -> Any:
+        """1-D mesh over all ranks (fsdp) or the 2-D ("replicate", "shard") mesh (hsdp).
+
+        ``fully_shard(mesh=2-D)`` is HSDP: "parameters are sharded across the 1st dim and
+        replicated across the 0th dim" (https://docs.pytorch.org/docs/stable/distributed.fsdp
+        .fully_shard.html, ``mesh``); init_device_mesh lays ranks out row-major, so shard
+        groups are consecutive ranks - one node under torchrun's rank order.
+        """
         from torch.distributed.device_mesh import init_device_mesh
+
+        if self.cfg.distributed == "hsdp":
+            shard = self.shard_group_size()
+            return init_device_mesh(self.device.type, (self.world_size // shard, shard),
+                                    mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("shard",))
+
+    def _fully_shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mesh = self.mesh = self.build_mesh()
         kw = dict(mesh=mesh, reshard_after_forward=self.cfg.fsdp_reshard_after_forward)
         if self.precision != "bf16-mixed":
             # One FSDP unit per transformer block (torchtitan's recipe): gathers overlap compute.
@@ -238,12 +322,23 @@ class GpuBackend(Backend):
         return contextlib.nullcontext()
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
-        # NOTE: no read-ahead of the loader here: its state_dict is "position after the last
-        # batch returned", and a checkpoint must not skip a batch the step never saw.
+        """One batch ahead on a side stream (training/input_pipeline.py); captions travel in
+        their host dtype (bf16 when the loader keeps the stored dtype) and reach the step as
+        fp32, as before. NOTE: reading ahead moves the loader past the batch in use; the loop
+        checkpoints ``LoaderPosition`` (the position after the last batch a step used)."""
+        from training.input_pipeline import StreamCopy, cast_text, read_ahead
+
         cuda = self.device.type == "cuda"
-        for batch in batches:
-            yield {k: (v.pin_memory().to(self.device, non_blocking=True) if cuda else v)
-                   for k, v in batch.items()}
+        ahead = self.cfg.device_prefetch == "on" or (self.cfg.device_prefetch == "auto" and cuda)
+        if ahead and cuda:
+            copy = StreamCopy(self.device, text_dtype=torch.float32)
+            yield from read_ahead(batches, copy.start, copy.finish)
+        elif ahead:
+            yield from read_ahead(batches, lambda b: b, lambda b: cast_text(b, torch.float32))
+        else:
+            for batch in batches:
+                yield cast_text({k: (v.pin_memory().to(self.device, non_blocking=True) if cuda else v)
+                                 for k, v in batch.items()}, torch.float32)
 
     def sync(self) -> None:
         """Let the host run at most one optimizer step ahead of the GPU.
@@ -372,6 +467,8 @@ class GpuBackend(Backend):
             "per_node": int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
             "precision": self.precision,
             "distributed": self.cfg.distributed,
+            "mesh": None if self.mesh is None else dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)),
+            "ddp_grad_compression": self.cfg.ddp_grad_compression,
             "compile": self.cfg.compile,
             "torch": torch.__version__,
             "cuda": torch.version.cuda,

@@ -248,13 +248,23 @@ class NeuronBackend(Backend):
 
     # ----- model and optimizer ---------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        if getattr(model, "is_gradient_checkpointing", False):
+        from training.activation_checkpointing import (
+            apply_activation_checkpointing,
+            mode_of,
+            refuse_unsupported,
+        )
+
+        mode = mode_of(model)
+        if mode != "none":
+            # "selective" needs per-op eager dispatch (training/activation_checkpointing.py).
+            refuse_unsupported(mode, ("none", "full", "every_n"), "trainium")
             # torch.utils.checkpoint fails on XLA ("module 'torch' has no attribute 'xla'");
             # torch_xla's version adds the optimization barrier that stops XLA's CSE from
-            # undoing the recomputation. diffusers takes the function as an argument.
+            # undoing the recomputation.
             from torch_xla.utils.checkpoint import checkpoint
 
-            model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
+            apply_activation_checkpointing(model, mode, every_n=getattr(model, "_checkpoint_every_n", 1),
+                                           checkpoint_fn=checkpoint)
         if self.precision == "bf16":
             model.to(torch.bfloat16)
             model.register_forward_pre_hook(_cast_floats_to_bf16, with_kwargs=True)
@@ -532,6 +542,46 @@ class NeuronBackend(Backend):
             base.state[shard] = entry
         init_adam_state(base)
         zero._sync_param_groups(zero.param_groups, base.param_groups)
+        self._flush()
+
+    # Sharded checkpoints (training/checkpoint/sharded.py): under ZeRO-1 each rank writes its
+    # own optimizer shard, never all-gathered; the layout logic is in backends/state.py.
+    def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        if optimizer is not self._zero:
+            return super().sharded_state(model, optimizer)
+        from training.backends.state import zero1_sharded_state
+
+        self._flush()  # materialise the step's pending updates before the host copies
+        inner = self.unwrap(model)
+        return zero1_sharded_state(self._zero_pairs(inner), self._zero.base_optimizer.state, inner,
+                                   self._zero.param_groups, self.rank, self.world_size,
+                                   master_weights=self.precision == "bf16")
+
+    def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, read: Any, *,
+                           keys: set[str], values: Mapping[str, Any], param_groups: list[dict[str, Any]]) -> None:
+        inner = self.unwrap(model)
+        if optimizer is not self._zero:
+            # Every rank holds everything without ZeRO-1: read it all and load it the usual way
+            # (``.data`` swaps, no copy traced into the next step's graph).
+            from training.backends.state import full_from_reader
+
+            model_sd, optim_sd = full_from_reader(read, keys, values, param_groups)
+            self.load_model_state_dict(model, model_sd)
+            self.load_optimizer_state_dict(model, optimizer, optim_sd)
+            return
+        from training.backends.state import zero1_load_sharded_state
+
+        zero = self._zero
+        # Hyper-parameters from the checkpoint; the implementation keys (fused, foreach) stay this
+        # process's: a GPU checkpoint saved with fused AdamW must not ask XLA for a fused kernel.
+        from training.optim import IMPLEMENTATION_KEYS
+
+        for group, saved in zip(zero.param_groups, param_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
+        zero1_load_sharded_state(self._zero_pairs(inner), zero.base_optimizer.state, inner, read, self.rank,
+                                 self.world_size, keys=keys, values=values, device=self.device)
+        init_adam_state(zero.base_optimizer)
+        zero._sync_param_groups(zero.param_groups, zero.base_optimizer.param_groups)
         self._flush()
 
     def rng_state(self) -> dict[str, Any]:

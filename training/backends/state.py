@@ -18,7 +18,8 @@ Only torch is imported here: the Trainium backend (torch 2.9 + torch-xla) reuses
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -77,3 +78,272 @@ def from_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
                        "params": [index[n] for n in ours]})
     state = {index[name]: dict(value) for name, value in named["state"].items()}
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# ----- sharded state: each rank's rows, never gathered -----------------------------------------
+#: ``read(key, start, stop)`` -> CPU rows [start, stop) of the saved global tensor ``key``
+#: (``start``/``stop`` None: the whole tensor); training/checkpoint/shards.py supplies it.
+RowReader = Callable[[str, "int | None", "int | None"], torch.Tensor]
+
+
+def chunk_rows(n: int, index: int, count: int) -> tuple[int, int]:
+    """Rows [start, stop) of chunk ``index`` of ``count`` along dim 0: ceil(n/count) rows each,
+    the last ones shorter or empty. Both shardings we hold split this way: FSDP2's
+    ``fully_shard`` ("shards ... on dim-0", i.e. ``torch.chunk(dim=0)``;
+    https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html) and torch_xla's
+    ZeRO-1 (``ZeroRedundancyOptimizer._shard_tensor``: pad dim 0 to a multiple of the world
+    size, then ``chunk``), so a ZeRO-1 shard is these rows plus zero padding."""
+    size = -(-n // count) if count else n
+    start = min(index * size, n)
+    return start, min(start + size, n)
+
+
+@dataclass
+class Piece:
+    """Rows [lo, hi) of ``src`` (a local tensor on the device) are rows [row0, row0 + hi - lo)
+    of the global tensor of ``shape``; ``lo`` None = ``src`` is a whole 0-dim value."""
+
+    src: torch.Tensor
+    lo: int | None
+    hi: int | None
+    row0: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class ShardedState:
+    """One rank's part of model + optimizer state: its pieces, small non-tensor optimizer
+    values and the (name-keyed) param groups."""
+
+    pieces: dict[str, Piece] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+
+
+def local_piece(t: torch.Tensor, rank: int, world: int) -> Piece | None:
+    """The piece of ``t`` this rank writes, or None when another rank writes it.
+
+    A DTensor writes its own Shard(0) rows (replicas along Replicate mesh dims, e.g. HSDP's
+    replica groups, write only from coordinate 0); a plain tensor that every rank holds (DDP,
+    the XLA backend's replicated weights) is split into ``chunk_rows`` so each rank writes
+    1/world of it; a 0-dim tensor is written by rank 0.
+    """
+    if hasattr(t, "device_mesh"):  # DTensor (FSDP2 / HSDP)
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh, coords = t.device_mesh, t.device_mesh.get_coordinate() or []
+        shard_dim = None
+        for i, placement in enumerate(t.placements):
+            if isinstance(placement, Shard) and placement.dim == 0:
+                shard_dim = i
+            elif not isinstance(placement, Replicate):
+                raise ValueError(f"sharded checkpoint: placement {placement} is not Shard(0)/Replicate")
+            elif coords[i] != 0:
+                return None
+        local = t.to_local()
+        shape = tuple(t.shape)
+        if shard_dim is None:
+            return Piece(local, None, None, 0, shape) if local.dim() == 0 else Piece(local, 0, shape[0], 0, shape)
+        start, stop = chunk_rows(shape[0], coords[shard_dim], mesh.size(shard_dim))
+        if local.shape[0] != stop - start:
+            raise ValueError(f"sharded checkpoint: local shard of {shape} has {local.shape[0]} rows, "
+                             f"torch.chunk gives {stop - start}")
+        return Piece(local, 0, stop - start, start, shape) if stop > start else None
+    shape = tuple(t.shape)
+    if t.dim() == 0:
+        return Piece(t, None, None, 0, shape) if rank == 0 else None
+    start, stop = chunk_rows(shape[0], rank, world)
+    if stop == start:
+        return Piece(t, 0, 0, 0, shape) if shape[0] == 0 and rank == 0 else None
+    return Piece(t, start, stop, start, shape)
+
+
+def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of the model: trainable parameters and persistent buffers.
+    Frozen parameters (``requires_grad=False``: a LoRA base) come from ``model.pretrained``."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in frozen}
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int) -> ShardedState:
+    """This rank's ``ShardedState`` of a plain or FSDP2 model and its torch optimizer."""
+    out = ShardedState()
+    for name, t in _trainable(model).items():
+        if (piece := local_piece(t.detach(), rank, world)) is not None:
+            out.pieces[f"model/{name}"] = piece
+    names = param_names(model)
+    for p, entry in optimizer.state.items():
+        name = names[id(p)]
+        for key, value in entry.items():
+            if torch.is_tensor(value):
+                if (piece := local_piece(value.detach(), rank, world)) is not None:
+                    out.pieces[f"optim/{name}/{key}"] = piece
+            elif rank == 0:
+                out.values[f"{name}/{key}"] = copy.deepcopy(value)
+    out.param_groups = to_named_optimizer_state(model, _NoState(optimizer))["param_groups"]
+    return out
+
+
+class _NoState:
+    """An optimizer's param groups without its state (``to_named_optimizer_state`` copies
+    every state tensor; the groups are all a sharded save needs from it)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.param_groups = optimizer.param_groups
+        self.state: dict = {}
+
+
+def read_like(t: torch.Tensor, key: str, read: RowReader) -> torch.Tensor:
+    """The saved rows of ``key`` that ``t`` holds on this rank (its local shard for a DTensor,
+    everything for a plain tensor), as a CPU tensor in the saved dtype."""
+    if hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import Shard
+
+        coords = t.device_mesh.get_coordinate() or []
+        for i, placement in enumerate(t.placements):
+            if isinstance(placement, Shard):
+                start, stop = chunk_rows(t.shape[0], coords[i], t.device_mesh.size(i))
+                return read(key, start, stop)
+    return read(key, None, None)
+
+
+def _as_like(rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``rows`` (CPU, local) -> a tensor shaped like ``t``: a DTensor of the same layout for a
+    DTensor (what FSDP2's optimizer state holds), else moved to ``t``'s device."""
+    if hasattr(t, "device_mesh"):
+        from torch.distributed.tensor import DTensor
+
+        local = rows.to(device=t.to_local().device, dtype=t.dtype)
+        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    return rows.to(device=t.device)
+
+
+def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, read: RowReader, *,
+                       keys: set[str], values: Mapping[str, Any], param_groups: list[dict[str, Any]]) -> None:
+    """Inverse of ``sharded_state`` under any world size and wrapping: each rank reads only
+    the rows it holds. ``keys`` are the saved tensor keys (``model/...``, ``optim/...``)."""
+    own = _trainable(model)
+    saved = {k.removeprefix("model/") for k in keys if k.startswith("model/")}
+    if saved != set(own):
+        missing, unexpected = sorted(set(own) - saved), sorted(saved - set(own))
+        raise ValueError(f"model state does not match this model (missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]})")
+    with torch.no_grad():
+        for name, t in own.items():
+            rows = read_like(t, f"model/{name}", read)
+            target = t.to_local() if hasattr(t, "device_mesh") else t
+            target.copy_(rows.to(device=target.device, dtype=target.dtype))
+    params = dict(model.named_parameters())
+    state: dict[str, dict[str, Any]] = {}
+    for key in sorted(keys):
+        if key.startswith("optim/"):
+            name, sub = key.removeprefix("optim/").rsplit("/", 1)
+            p = params[name]
+            value = read(key, None, None) if key_is_scalar(key, read) else _as_like(read_like(p, key, read), p)
+            state.setdefault(name, {})[sub] = value
+    for key, value in values.items():
+        name, sub = key.rsplit("/", 1)
+        state.setdefault(name, {})[sub] = value
+    from_named_optimizer_state(model, optimizer, {"state": state, "param_groups": param_groups})
+
+
+def key_is_scalar(key: str, read: RowReader) -> bool:
+    """True when the saved tensor ``key`` is 0-dim (AdamW's ``step``): not sharded."""
+    shape = getattr(read, "shape", None)
+    return shape is not None and len(shape(key)) == 0
+
+
+# ----- ZeRO-1 (torch_xla ZeroRedundancyOptimizer): each rank's optimizer shard, never gathered --
+#: (parameter name, the full replicated parameter, this rank's padded fp32 shard of it)
+ZeroPair = tuple[str, torch.Tensor, torch.Tensor]
+
+
+def zero1_sharded_state(pairs: list[ZeroPair], base_state: Mapping[Any, Mapping[str, Any]], model: nn.Module,
+                        param_groups: list[dict[str, Any]], rank: int, world: int, *,
+                        master_weights: bool) -> ShardedState:
+    """This rank's ``ShardedState`` under ZeRO-1: the moments of its own shard (the real rows
+    ``chunk_rows`` of each padded ``shard``, no all-gather), the weights it owns (the same
+    rows; from the fp32 master shard when ``master_weights``), buffers split as usual."""
+    out = ShardedState()
+    names = {name for name, _, _ in pairs}
+    for name, t in _trainable(model).items():
+        if name not in names and (piece := local_piece(t.detach(), rank, world)) is not None:
+            out.pieces[f"model/{name}"] = piece  # buffers (and parameters outside the optimizer)
+    for name, param, shard in pairs:
+        n = param.shape[0]
+        start, stop = chunk_rows(n, rank, world)
+        shape = tuple(param.shape)
+        if stop > start:
+            src, lo = (shard, 0) if master_weights else (param, start)
+            out.pieces[f"model/{name}"] = Piece(src.detach(), lo, lo + stop - start, start, shape)
+        for key, value in (base_state.get(shard) or {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape == shard.shape:
+                if stop > start:
+                    out.pieces[f"optim/{name}/{key}"] = Piece(value.detach(), 0, stop - start, start, shape)
+            elif torch.is_tensor(value):
+                if rank == 0:
+                    out.pieces[f"optim/{name}/{key}"] = Piece(value.detach(), None, None, 0, tuple(value.shape))
+            elif rank == 0:
+                out.values[f"{name}/{key}"] = copy.deepcopy(value)
+    out.param_groups = [{**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"},
+                         "params": [param_names(model)[id(p)] for p in g["params"]]} for g in param_groups]
+    return out
+
+
+def zero1_rows(read: RowReader, key: str, n: int, rank: int, world: int) -> torch.Tensor:
+    """Rows of ``key`` for this rank's ZeRO-1 shard: ``chunk_rows`` plus zero padding to
+    ceil(n / world) rows, exactly what ``_shard_tensor`` of the full tensor gives."""
+    start, stop = chunk_rows(n, rank, world)
+    rows = read(key, start, stop)
+    size = -(-n // world)
+    if rows.shape[0] < size:
+        rows = torch.cat([rows, rows.new_zeros((size - rows.shape[0], *rows.shape[1:]))])
+    return rows
+
+
+def zero1_load_sharded_state(pairs: list[ZeroPair], base_state: dict[Any, dict[str, Any]], model: nn.Module,
+                             read: RowReader, rank: int, world: int, *, keys: set[str],
+                             values: Mapping[str, Any], device: torch.device) -> None:
+    """Inverse of ``zero1_sharded_state`` for any saved world size or format: full weights
+    on every rank (they are replicated), this rank's padded rows of the master weights and
+    of every moment into the base optimizer's state."""
+    own = _trainable(model)
+    saved = {k.removeprefix("model/") for k in keys if k.startswith("model/")}
+    if saved != set(own):
+        raise ValueError(f"model state does not match this model (missing {sorted(set(own) - saved)[:3]}, "
+                         f"unexpected {sorted(saved - set(own))[:3]})")
+    with torch.no_grad():
+        for name, t in own.items():
+            # Swap the device data instead of copy_(): a copy would be traced into the next graph.
+            t.data = read(f"model/{name}", None, None).to(dtype=t.dtype).to(device)
+        for name, param, shard in pairs:
+            n = param.shape[0]
+            shard.data = zero1_rows(read, f"model/{name}", n, rank, world).to(torch.float32).to(device)
+            entry: dict[str, Any] = {}
+            for key in sorted(k for k in keys if k.startswith(f"optim/{name}/")):
+                sub = key.rsplit("/", 1)[1]
+                if key_is_scalar(key, read):
+                    entry[sub] = read(key, None, None)
+                else:
+                    entry[sub] = zero1_rows(read, key, n, rank, world).to(torch.float32).to(device)
+            for vkey, value in values.items():
+                if vkey.rsplit("/", 1)[0] == name:
+                    entry[vkey.rsplit("/", 1)[1]] = value
+            if entry:
+                base_state[shard] = entry
+
+
+def full_from_reader(read: RowReader, keys: set[str], values: Mapping[str, Any],
+                     param_groups: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(model state, portable optimizer state), full, from a sharded checkpoint: for a
+    backend whose every rank holds everything anyway (the XLA backend without ZeRO-1)."""
+    model = {k.removeprefix("model/"): read(k, None, None) for k in sorted(keys) if k.startswith("model/")}
+    state: dict[str, dict[str, Any]] = {}
+    for key in sorted(k for k in keys if k.startswith("optim/")):
+        name, sub = key.removeprefix("optim/").rsplit("/", 1)
+        state.setdefault(name, {})[sub] = read(key, None, None)
+    for key, value in values.items():
+        name, sub = key.rsplit("/", 1)
+        state.setdefault(name, {})[sub] = value
+    return model, {"state": state, "param_groups": param_groups}

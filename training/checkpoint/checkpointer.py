@@ -1,39 +1,21 @@
-"""Exact, crash-safe checkpoints: save, keep the last K, find the newest complete one, resume.
+"""The Checkpointer: when to save, what goes in, where a run resumes from.
 
-Layout (one directory per optimizer step, under ``CheckpointConfig.dir``)::
-
-    step-00001000/
-        model.safetensors      full CPU state of the unwrapped model (Backend.model_state_dict)
-        optimizer.pt           name-keyed full CPU optimizer state (Backend.optimizer_state_dict)
-        ema.safetensors        EMA weights, when the run keeps an EMA
-        train_state.json       step, samples seen, data position, LR schedule, run config
-        rng.pt                 python / numpy / torch CPU RNG + Backend.rng_state() of rank 0
-        rng-rank-00001.pt ...  the same for every other rank (ranks differ in their RNG streams)
-        manifest.json          WRITTEN LAST: format, step, every file with size and sha256
-
-A checkpoint is written into ``.tmp-step-XXXXXXXX`` beside its final name, every file is
-fsynced, the manifest goes in last and the directory is renamed into place (then the parent
-is fsynced), so a crash at any instant leaves either a complete ``step-*`` or a temp
-directory that ``find_latest`` never looks at. A ``step-*`` directory whose files disagree
-with its manifest (truncated copy, bit rot) is skipped too. Same pattern as torchtitan's
-``components/checkpointer`` (fixed keys per Stateful) with the manifest of
-``torch.distributed.checkpoint`` (``.metadata`` written after the shards).
-
-Everything needed to continue *bit-identically* is in here: weights, optimizer moments,
-LR-schedule position, EMA, data-loader position, step counters and every RNG stream.
+Everything needed to continue *bit-identically* goes in: weights, optimizer moments,
+LR-schedule position, EMA, data-loader position, step counters and every RNG stream. The
+default format is sharded and asynchronous (training/checkpoint/sharded.py); the old
+single-writer format (``checkpoint.format: full``, training/checkpoint/layout.py) is still
+written on request (benchmarks compare the two) and read everywhere: a run resumed from one
+saves its next checkpoint sharded. Same pattern as torchtitan's ``components/checkpointer``
+(fixed keys per Stateful) with the commit record of ``torch.distributed.checkpoint``
+(``.metadata`` written after the shards).
 """
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
-import logging
 import os
 import random
-import re
 import shutil
-import signal
 import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -46,22 +28,36 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from training.backends.base import Backend
+from training.checkpoint import sharded
+from training.checkpoint.layout import (
+    EMA_FILE,
+    FORMAT,
+    FORMAT_SHARDED,
+    MANIFEST,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    RNG_FILE,
+    STATE_FILE,
+    STEP_RE,
+    TMP_PREFIX,
+    fault_point,
+    find_latest,
+    fsync_dir,
+    fsync_file,
+    list_complete,
+    log,
+    rank_rng_file,
+    read_manifest,
+    sha256_file,
+    step_dir_name,
+    verify,
+)
+from training.checkpoint.shards import ShardReader
 from training.errors import UserError
 
-log = logging.getLogger(__name__)
-
-FORMAT = "sana-checkpoint/1"
-MANIFEST = "manifest.json"
-MODEL_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
-EMA_FILE = "ema.safetensors"
-STATE_FILE = "train_state.json"
-RNG_FILE = "rng.pt"
-_STEP_RE = re.compile(r"^step-(\d{8})$")
-_TMP_PREFIX = ".tmp-step-"
-#: test hook: ``<step>:<point>`` SIGKILLs this process at that point of that step's save, so a
-#: test can kill a run deterministically *inside* a checkpoint write (see _fault_point).
-FAULT_ENV = "SANA_CHECKPOINT_FAULT"
+_STEP_RE = STEP_RE
+_TMP_PREFIX = TMP_PREFIX
+FORMAT_NAMES = ("sharded", "full")
 
 
 class Stateful(Protocol):
@@ -90,6 +86,11 @@ class CheckpointConfig:
     #: False = write no checkpoint (not even the loop's final forced save) and resume from none;
     #: Trainium's --precompile sets it (neuron_parallel_compile's graphs return zeros)
     enabled: bool = True
+    #: "sharded" (sana-checkpoint/2: every rank writes its own rows; reshardable N -> M) or
+    #: "full" (sana-checkpoint/1: rank 0 gathers and writes everything; the old path)
+    format: str = "sharded"
+    #: sharded format: write in the background; the step blocks only for the device-to-host copy
+    async_save: bool = True
 
     def __post_init__(self) -> None:
         if not self.dir:
@@ -100,6 +101,8 @@ class CheckpointConfig:
                 raise ValueError(f"checkpoint.{name}: must be an integer >= 0, got {value!r}")
         if not isinstance(self.resume, str) or not self.resume:
             raise ValueError("checkpoint.resume: use 'auto', 'none', a checkpoint path or an s3:// URL")
+        if self.format not in FORMAT_NAMES:
+            raise ValueError(f"checkpoint.format: {self.format!r} is not one of {FORMAT_NAMES}")
         if self.s3_mirror is not None and not (self.s3_mirror.startswith("s3://") and len(self.s3_mirror) > 5):
             raise ValueError(f"checkpoint.s3_mirror: {self.s3_mirror!r} is not an s3://BUCKET/PREFIX URL")
 
@@ -150,36 +153,7 @@ def _rng_file(rank: int) -> str:
     return RNG_FILE if rank == 0 else f"rng-rank-{rank:05d}.pt"
 
 
-# ----- files ---------------------------------------------------------------------------
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def sha256_file(path: Path, chunk: int = 8 * 1024**2) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    # NOTE: a rename is only durable once the directory holding it is fsynced (POSIX rename(2)).
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
+# ----- files (the v1 writer) ---------------------------------------------------------------
 def _write_json(path: Path, obj: Any) -> None:
     with open(path, "w") as fh:
         json.dump(obj, fh, indent=1, sort_keys=True, allow_nan=True)
@@ -206,80 +180,29 @@ def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
         seen.add(ptr)
         own[key] = value
     save_file(own, str(path))
-    _fsync_file(path)
+    fsync_file(path)
 
 
-def _fault_point(step: int, point: str) -> None:
-    """Test hook: ``SANA_CHECKPOINT_FAULT=<step>:<point>`` SIGKILLs this process right here
-    (``<step>:<point>:enospc`` raises "No space left on device" instead).
+def map_data_position(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
+    """The loader position of a checkpoint, for a loader with another global batch (world size).
 
-    SIGKILL (not an exception) so nothing gets to clean up: exactly what a node loss or the
-    OOM killer does to a real run in the middle of a checkpoint write.
+    Relies on the loader's ``state_dict`` fields ``epoch``, ``step`` (loader batches done this
+    epoch) and ``global_batch`` (samples per loader batch over all ranks), and on its order
+    being one global permutation per epoch that ranks split (so it does not depend on the
+    world size). The position is ``step * global_batch`` samples into ``epoch``; when the new
+    global batch divides it, the loader continues at exactly that sample (its own
+    ``step * old // new``), else no whole step lands there and we refuse rather than skip or
+    repeat samples.
     """
-    want = os.environ.get(FAULT_ENV)
-    if want == f"{step}:{point}:enospc":  # a full disk instead of a dead process
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    if want == f"{step}:{point}":
-        log.warning("checkpoint fault hook: SIGKILL at step %d, %s", step, point)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-# ----- manifests and discovery ------------------------------------------------------------
-def read_manifest(ckpt_dir: Path) -> dict[str, Any] | None:
-    try:
-        manifest = json.loads((ckpt_dir / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(
-            manifest.get("files"), dict):
-        return None
-    return manifest
-
-
-def verify(ckpt_dir: str | Path, *, full: bool = True) -> dict[str, Any] | None:
-    """The manifest if ``ckpt_dir`` is a complete checkpoint, else None.
-
-    ``full`` also re-hashes every file (catches bit rot and a same-size torn copy); without it
-    only presence and sizes are checked, which is cheap enough to scan a whole root.
-    """
-    ckpt_dir = Path(ckpt_dir)
-    manifest = read_manifest(ckpt_dir)
-    if manifest is None:
-        return None
-    for name, meta in manifest["files"].items():
-        path = ckpt_dir / name
-        try:
-            if path.stat().st_size != meta["size"]:
-                return None
-        except OSError:
-            return None
-        if full and sha256_file(path) != meta["sha256"]:
-            log.warning("checkpoint %s: %s does not match its sha256 in the manifest", ckpt_dir, name)
-            return None
-    return manifest
-
-
-def list_complete(root: str | Path) -> list[tuple[int, Path]]:
-    """Complete (manifest present, sizes right) checkpoints under ``root``, oldest first."""
-    root = Path(root)
-    found: list[tuple[int, Path]] = []
-    if not root.is_dir():
-        return found
-    for child in root.iterdir():
-        match = _STEP_RE.match(child.name)
-        if match and child.is_dir() and verify(child, full=False) is not None:
-            found.append((int(match.group(1)), child))
-    return sorted(found)
-
-
-def find_latest(root: str | Path, *, full: bool = True) -> Path | None:
-    """Newest complete checkpoint under ``root``; partial ones (no manifest, wrong sizes, temp
-    dirs, and with ``full`` a sha256 mismatch) are skipped with a warning, never picked."""
-    for _, path in reversed(list_complete(root)):
-        if not full or verify(path, full=True) is not None:
-            return path
-        log.warning("skipping checkpoint %s: its files do not match its manifest", path)
-    return None
+    old, new = int(saved["global_batch"]), int(current["global_batch"])
+    if old == new:
+        return dict(saved)
+    offset = int(saved["step"]) * old
+    if offset % new:
+        raise UserError(f"checkpoint.resume: the data position ({offset} samples into epoch {saved['epoch']}, "
+                        f"global batch {old}) is not a whole number of steps of the new global batch {new}; "
+                        f"resume with a data.batch_size x world size that divides {offset}, or from another step")
+    return {**saved, "samples_in_epoch": offset}
 
 
 # ----- the checkpointer ------------------------------------------------------------------
@@ -291,7 +214,7 @@ def resolve_checkpoint(source: str, cache_dir: str | Path | None = None, *, key:
     else is a UserError that starts with ``key`` (the config key or argument it came from).
     """
     if source.startswith("s3://"):
-        from training.mirror import fetch_checkpoint, fetch_latest
+        from training.checkpoint.mirror import fetch_checkpoint, fetch_latest
 
         cache = Path(cache_dir or tempfile.mkdtemp(prefix="sana-checkpoint-"))
         is_step = _STEP_RE.match(source.rstrip("/").rsplit("/", 1)[-1]) is not None
@@ -315,14 +238,14 @@ def resolve_checkpoint(source: str, cache_dir: str | Path | None = None, *, key:
 class Checkpointer:
     """Called by the loop every step; decides itself when to write (STYLE.md rule 6).
 
-    Collective calls (``model_state_dict``, ``optimizer_state_dict``, ``barrier``) run on every
-    rank; rank 0 writes the shared files, each rank writes its own RNG file. The checkpoint
-    root must therefore be a filesystem every rank sees (FSx for Lustre on the cluster).
+    Collective calls run on every rank. In the sharded format every rank writes its own
+    files and rank 0 the manifest; the checkpoint root must be a filesystem every rank sees
+    (FSx for Lustre on the cluster).
     """
 
     def __init__(self, cfg: CheckpointConfig, backend: Backend, *, output_dir: str | Path,
                  run_config: Mapping[str, Any] | None = None,
-                 provenance: Mapping[str, Any] | None = None) -> None:
+                 provenance: Mapping[str, Any] | None = None, frozen_from: str | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         root = Path(cfg.dir)
@@ -330,15 +253,21 @@ class Checkpointer:
         self.run_config = dict(run_config or {})
         #: training/provenance.py: what code, env and text features produced this run
         self.provenance = dict(provenance or {})
+        #: where frozen (requires_grad=False) parameters come from; they are not saved
+        self.frozen_from = frozen_from
         self.last_saved_step: int | None = None
         self.mirror = None
+        self._job: sharded.SaveJob | None = None
+        self._job_final: Path | None = None
+        self._job_tmp: Path | None = None
+        self._stager = sharded.Stager()
         if backend.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob(".tmp-*"):
                 # Left by a run killed mid-write; never a candidate for resume.
                 shutil.rmtree(stale, ignore_errors=True)
             if cfg.s3_mirror and cfg.enabled:
-                from training.mirror import S3Mirror
+                from training.checkpoint.mirror import S3Mirror
 
                 self.mirror = S3Mirror(cfg.s3_mirror, keep_last=cfg.s3_keep_last)
         backend.barrier()
@@ -352,7 +281,8 @@ class Checkpointer:
     def maybe_save(self, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                    scheduler: Stateful | None = None, ema: Stateful | None = None,
                    loader: Stateful | None = None, state: TrainState, force: bool = False) -> Path | None:
-        """Save ``step`` when due (every ``every_steps``) or ``force``d. Returns the path or None."""
+        """Save ``step`` when due (every ``every_steps``) or ``force``d. Returns the path or None
+        (with ``async_save`` the path is complete once ``wait()`` or the next save returns)."""
         if not self.due(step, force):
             return None
         return self.save(step=step, model=model, optimizer=optimizer, scheduler=scheduler, ema=ema,
@@ -361,6 +291,90 @@ class Checkpointer:
     def save(self, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: Stateful | None = None, ema: Stateful | None = None,
              loader: Stateful | None = None, state: TrainState) -> Path:
+        self.wait()  # the previous save is complete (or its error raised) before a new one starts
+        if self.cfg.format == "full":
+            return self._save_full(step=step, model=model, optimizer=optimizer, scheduler=scheduler, ema=ema,
+                                   loader=loader, state=state)
+        return self._save_sharded(step=step, model=model, optimizer=optimizer, scheduler=scheduler, ema=ema,
+                                  loader=loader, state=state)
+
+    def _train_state(self, step: int, model: nn.Module, state: TrainState, sched_sd: Any, loader_sd: Any,
+                     **extra: Any) -> dict[str, Any]:
+        return _jsonable({
+            "step": step,
+            "samples_seen": state.samples_seen,
+            "train_state": state.state_dict(),
+            "lr_scheduler": sched_sd,
+            "dataloader": loader_sd,
+            "backend": self.backend.describe(),
+            "world_size": self.backend.world_size,
+            "model_config": _model_config(self.backend.unwrap(model)),
+            "config": self.run_config,
+            "provenance": self.provenance,
+            **extra,
+        })
+
+    def _save_sharded(self, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                      scheduler: Stateful | None, ema: Any, loader: Stateful | None, state: TrainState) -> Path:
+        """Stage this rank's rows on the host (the only part the loop waits for), then write
+        them on a thread; rank 0's thread also commits (sharded.py)."""
+        backend = self.backend
+        rank, world = backend.rank, backend.world_size
+        sharded_state = backend.sharded_state(model, optimizer)
+        pieces = dict(sharded_state.pieces)
+        if ema is not None:
+            pieces.update(ema.pieces(rank, world))
+        staged = self._stager.stage(pieces)
+        rng = capture_rng(backend)
+        train_state = None
+        if backend.is_main:
+            sched_sd = scheduler.state_dict() if scheduler is not None else None
+            loader_sd = loader.state_dict() if loader is not None else None
+            train_state = self._train_state(
+                step, model, state, sched_sd, loader_sd, format=FORMAT_SHARDED, has_ema=ema is not None,
+                optim_values=sharded_state.values, param_groups=sharded_state.param_groups,
+                frozen_from=self.frozen_from)
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f"{_TMP_PREFIX}{step:08d}"
+        extra = {"frozen_from": self.frozen_from}
+
+        def work() -> None:
+            sharded.write_rank(tmp, step=step, rank=rank, staged=staged, rng=rng, train_state=train_state)
+            if backend.is_main:
+                sharded.commit(tmp, final, step=step, world_size=world, extra=extra)
+                log.info("checkpoint saved: %s", final)
+                if self.mirror is not None:
+                    self.mirror.submit(final)
+                self._prune()
+
+        self.last_saved_step = step
+        self._job, self._job_final, self._job_tmp = sharded.SaveJob(work, f"checkpoint-{step}"), final, tmp
+        if not self.cfg.async_save:
+            self.wait()
+        return final
+
+    def wait(self) -> None:
+        """Block until this rank's last save is written (rank 0: committed). Collective: a
+        failed write on any rank fails every rank with the same one line."""
+        job, final = self._job, self._job_final
+        self._job = None
+        if job is None:
+            return
+        error = job.wait()
+        # Rank 0 saw every rank's done (or failed) record before committing; its outcome is
+        # the save's outcome, and broadcasting it fences the save like a barrier.
+        shared = self.backend.broadcast_object(error if self.backend.is_main else None)
+        error = shared or error
+        if error:
+            if self.backend.is_main:
+                shutil.rmtree(self._job_tmp, ignore_errors=True)
+            raise UserError(f"checkpoint.dir: writing {final} failed: {error}; free space or fix "
+                            f"permissions under {self.root} (or lower checkpoint.keep_last), then resume")
+
+    def _save_full(self, *, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: Stateful | None = None, ema: Stateful | None = None,
+                   loader: Stateful | None = None, state: TrainState) -> Path:
+        """``sana-checkpoint/1``: rank 0 gathers and writes everything (the old path)."""
         backend = self.backend
         # Collective on every rank, before anything touches the disk.
         model_sd = backend.model_state_dict(model)
@@ -404,47 +418,35 @@ class Checkpointer:
         self.last_saved_step = step
         return final
 
+
     def _write_main(self, tmp: Path, *, step: int, model: nn.Module, model_sd: Mapping[str, torch.Tensor],
                     optim_sd: Any, ema_sd: Mapping[str, Any] | None, sched_sd: Any, loader_sd: Any,
                     rng: Any, state: TrainState) -> None:
         """Rank 0: every file except the manifest, each fsynced."""
-        _fault_point(step, "start")
+        fault_point(step, "start")
         _save_tensors(model_sd, tmp / MODEL_FILE)
-        _fault_point(step, "after-model")
+        fault_point(step, "after-model")
         _torch_save(optim_sd, tmp / OPTIMIZER_FILE)
         ema_meta: dict[str, Any] | None = None
         if ema_sd is not None:
             ema_tensors, ema_meta = _split_tensors(ema_sd)
             _save_tensors(ema_tensors, tmp / EMA_FILE)
-        train_state = {
-            "step": step,
-            "samples_seen": state.samples_seen,
-            "train_state": state.state_dict(),
-            "lr_scheduler": sched_sd,
-            "dataloader": loader_sd,
-            "ema_meta": ema_meta,
-            "backend": self.backend.describe(),
-            "world_size": self.backend.world_size,
-            "model_config": _model_config(self.backend.unwrap(model)),
-            "config": self.run_config,
-            "provenance": self.provenance,
-        }
-        _write_json(tmp / STATE_FILE, _jsonable(train_state))
+        _write_json(tmp / STATE_FILE, self._train_state(step, model, state, sched_sd, loader_sd, ema_meta=ema_meta))
         _torch_save(rng, tmp / _rng_file(0))
 
     def _commit(self, tmp: Path, final: Path, step: int) -> None:
         """Rank 0: manifest last, rename into place, then mirror and prune."""
-        _fault_point(step, "before-manifest")
+        fault_point(step, "before-manifest")
         files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
                  for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
         _write_json(tmp / MANIFEST, {"format": FORMAT, "step": step, "files": files,
                                      "world_size": self.backend.world_size})
-        _fsync_dir(tmp)
-        _fault_point(step, "before-rename")
+        fsync_dir(tmp)
+        fault_point(step, "before-rename")
         if final.exists():  # an older attempt at this step (e.g. resumed from an earlier one)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         log.info("checkpoint saved: %s", final)
         if self.mirror is not None:
             self.mirror.submit(final)
@@ -487,14 +489,14 @@ class Checkpointer:
         if resume == "auto":
             found = find_latest(self.root)
             if found is None and self.cfg.s3_mirror:
-                from training.mirror import fetch_latest
+                from training.checkpoint.mirror import fetch_latest
 
                 found = fetch_latest(self.cfg.s3_mirror, self.root)
             return found
         return resolve_checkpoint(resume, self.root, key="checkpoint.resume")
 
     def restore(self, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                scheduler: Stateful | None = None, ema: Stateful | None = None,
+                scheduler: Stateful | None = None, ema: Any = None,
                 loader: Stateful | None = None, state: TrainState) -> Path | None:
         """Load everything from the checkpoint ``cfg.resume`` selects. Returns its path, or None
         for a fresh start. RNG streams are restored last so nothing here perturbs them."""
@@ -505,32 +507,61 @@ class Checkpointer:
         if backend.is_main:
             self._set_aside_later(path)
         meta = json.loads((path / STATE_FILE).read_text())
+        manifest = read_manifest(path) or {}
+        if manifest.get("format") == FORMAT_SHARDED:
+            self._load_sharded(path, meta, model=model, optimizer=optimizer, ema=ema)
+            rng_path = path / rank_rng_file(backend.rank)
+        else:  # sana-checkpoint/1: every rank reads the full files (fine for old checkpoints)
+            self._load_full(path, meta, model=model, optimizer=optimizer, ema=ema)
+            rng_path = path / _rng_file(backend.rank)
+        if scheduler is not None and meta.get("lr_scheduler") is not None:
+            scheduler.load_state_dict(meta["lr_scheduler"])
+        if loader is not None and meta.get("dataloader") is not None:
+            loader.load_state_dict(map_data_position(meta["dataloader"], loader.state_dict()))
+        state.load_state_dict(meta["train_state"])
+        if backend.is_main and (changes := _config_changes(meta.get("config") or {}, self.run_config)):
+            # Legitimate (a longer run, a new LR), but then the run is no longer the one saved.
+            log.warning("resuming with a changed config: %s", "; ".join(changes[:20]))
+        if not rng_path.exists() or meta.get("world_size") != backend.world_size:
+            # A different world size than the saving run: continuing is fine, bit-identity is not.
+            log.warning("%s: no RNG state for rank %d (saved with world size %s); using rank 0's",
+                        path, backend.rank, meta.get("world_size"))
+            rng_path = path / (rank_rng_file(0) if manifest.get("format") == FORMAT_SHARDED else RNG_FILE)
+        restore_rng(torch.load(rng_path, map_location="cpu", weights_only=True), backend)
+        self.last_saved_step = state.step
+        log.info("resumed from %s at step %d", path, state.step)
+        return path
+
+    def _load_full(self, path: Path, meta: Mapping[str, Any], *, model: nn.Module,
+                   optimizer: torch.optim.Optimizer, ema: Any) -> None:
+        backend = self.backend
         backend.load_model_state_dict(model, load_file(str(path / MODEL_FILE)))
         backend.load_optimizer_state_dict(model, optimizer,
                                           torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
-        if scheduler is not None and meta.get("lr_scheduler") is not None:
-            scheduler.load_state_dict(meta["lr_scheduler"])
         if ema is not None:
             if not (path / EMA_FILE).exists():
                 raise UserError(f"{path}: has no {EMA_FILE} but this run keeps an EMA; resume from a "
                                 "checkpoint written with EMA on, or turn EMA off")
             ema.load_state_dict(_join_tensors(load_file(str(path / EMA_FILE)), meta.get("ema_meta")))
-        if loader is not None and meta.get("dataloader") is not None:
-            loader.load_state_dict(meta["dataloader"])
-        state.load_state_dict(meta["train_state"])
-        if backend.is_main and (changes := _config_changes(meta.get("config") or {}, self.run_config)):
-            # Legitimate (a longer run, a new LR), but then the run is no longer the one saved.
-            log.warning("resuming with a changed config: %s", "; ".join(changes[:20]))
-        rng_path = path / _rng_file(backend.rank)
-        if not rng_path.exists():
-            # A different world size than the saving run: continuing is fine, bit-identity is not.
-            log.warning("%s: no RNG state for rank %d (saved with world size %s); using rank 0's",
-                        path, backend.rank, meta.get("world_size"))
-            rng_path = path / RNG_FILE
-        restore_rng(torch.load(rng_path, map_location="cpu", weights_only=True), backend)
-        self.last_saved_step = state.step
-        log.info("resumed from %s at step %d", path, state.step)
-        return path
+
+    def _load_sharded(self, path: Path, meta: Mapping[str, Any], *, model: nn.Module,
+                      optimizer: torch.optim.Optimizer, ema: Any) -> None:
+        """Each rank reads only the rows it holds (mmap'd safetensors), whatever the saving
+        world size or wrapping was (DDP, FSDP2, ZeRO-1: training/backends/state.py)."""
+        with ShardReader(sharded.shard_files(path)) as reader:
+            keys = reader.keys()
+            try:
+                self.backend.load_sharded_state(model, optimizer, reader, keys=keys,
+                                                values=meta.get("optim_values") or {},
+                                                param_groups=meta["param_groups"])
+            except ValueError as exc:
+                raise UserError(f"checkpoint.resume: {path}: {exc}; resume with the same model preset/overrides "
+                                "and trainable parameters") from None
+            if ema is not None:
+                if not meta.get("has_ema"):
+                    raise UserError(f"{path}: has no EMA but this run keeps an EMA; resume from a "
+                                    "checkpoint written with EMA on, or turn EMA off")
+                ema.load_pieces(reader, keys)
 
     def _set_aside_later(self, resumed: Path) -> None:
         """Resuming from an older checkpoint of this root abandons the later ones: rename them
@@ -549,13 +580,16 @@ class Checkpointer:
                 os.replace(path, target)
 
     def close(self) -> None:
-        """Wait for the S3 mirror to finish every queued upload."""
-        if self.mirror is not None:
-            # An hour covers a 1.6B checkpoint (~19 GB) at ~6 MB/s; a blackholed S3 endpoint
-            # must not hold the job (and its nodes) forever.
-            self.mirror.close(timeout_s=3600)
-            self._prune()
-            self.mirror = None
+        """Finish the save in flight, then wait for the S3 mirror to finish every queued upload."""
+        try:
+            self.wait()
+        finally:
+            if self.mirror is not None:
+                # An hour covers a 1.6B checkpoint (~19 GB) at ~6 MB/s; a blackholed S3 endpoint
+                # must not hold the job (and its nodes) forever.
+                self.mirror.close(timeout_s=3600)
+                self._prune()
+                self.mirror = None
 
 
 # ----- helpers for state that is not a flat tensor dict ---------------------------------
