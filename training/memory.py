@@ -150,14 +150,17 @@ def estimate(cfg: Any, *, world_size: int, text_tokens: int = DEFAULT_TEXT_TOKEN
     w = 2 if bf16 else 4
     zero1 = bool(cfg.trainium.zero1)
     n = max(1, int(world_size))
-    optimizer = (params * 12 + params * 4) // n if zero1 else params * 2 * w
+    # LoRA (training/lora.py): gradients, optimizer state and EMA exist for the adapters only
+    lora_on = getattr(getattr(cfg, "lora", None), "enabled", False)
+    trainable = _trainable_parameters(cfg) if lora_on else params
+    optimizer = (trainable * 12 + trainable * 4) // n if zero1 else trainable * 2 * w
     act = activations or measure_activations(kw, text_tokens=text_tokens, bf16=bf16)
     b = int(cfg.data.batch_size)
     plain = b * (act.base + layers * act.per_block)
     ckpt = b * (act.base + layers * act.block_input + act.per_block)
     ckpt_on = bool(cfg.model.gradient_checkpointing)
-    return MemoryEstimate(parameters=params, weights=params * w, gradients=params * w, optimizer=optimizer,
-                          ema=params * 4 if cfg.ema.decay > 0 else 0,
+    return MemoryEstimate(parameters=params, weights=params * w, gradients=trainable * w, optimizer=optimizer,
+                          ema=trainable * 4 if cfg.ema.decay > 0 else 0,
                           activations=ckpt if ckpt_on else plain, activations_no_checkpointing=plain,
                           activations_checkpointing=ckpt, gradient_checkpointing=ckpt_on, world_size=n,
                           zero1=zero1, batch_size=b, precision=cfg.precision)

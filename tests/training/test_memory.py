@@ -217,3 +217,13 @@ def test_lora_keeps_optimizer_state_for_the_adapters_only() -> None:
     lora = estimate_gpu(cfg_of("sana-600m-512.yaml", "lora.rank=16"), world_size=8)
     assert lora.weights == full.weights and lora.activations == full.activations
     assert 0 < lora.optimizer < full.optimizer / 50 and 0 < lora.gradients < full.gradients / 50
+
+
+def test_trainium_lora_estimate_counts_gradients_optimizer_and_ema_for_the_adapters_only() -> None:
+    from training.memory import estimate
+
+    full = estimate(cfg_of("trn-sana-600m-512.yaml"), world_size=32)
+    lora = estimate(cfg_of("trn-sana-600m-512.yaml", "lora.rank=16"), world_size=32)
+    assert lora.weights == full.weights and lora.activations == full.activations
+    assert 0 < lora.gradients < full.gradients / 50 and 0 < lora.optimizer < full.optimizer / 50
+    assert lora.ema < full.ema / 50 or full.ema == 0
