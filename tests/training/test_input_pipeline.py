@@ -141,3 +141,25 @@ def test_side_stream_copies_arrive_intact_on_the_compute_stream(features: Path) 
         torch.cuda.current_stream().synchronize()
         assert torch.equal(d["text"].cpu(), h["text"].float())
         assert torch.equal(d["latents"].cpu(), h["latents"])
+
+
+def test_loader_keeps_captions_bf16_on_the_wire_when_asked(features: Path) -> None:
+    """data.text_dtype=bf16: host batches carry the stored bf16 captions (half the bytes to pin
+    and copy), with exactly the values the fp32 loader gives."""
+    with FeatureLoader(str(features), batch_size=2, seed=0, prefetch=0, text_dtype="bf16") as wire, \
+            _loader(features) as plain:
+        for _ in range(3):
+            got, want = next(wire), next(plain)
+            assert got["text"].dtype == torch.bfloat16 and want["text"].dtype == torch.float32
+            assert torch.equal(got["text"].float(), want["text"])
+            assert torch.equal(got["latents"], want["latents"])
+
+
+def test_training_on_a_bf16_caption_wire_is_bit_identical_to_fp32(features: Path, tmp_path: Path) -> None:
+    over = dict(optim__schedule="constant", checkpoint__every_steps=4, tensorboard=False)
+    run(tiny_config(features, tmp_path / "fp32", max_steps=4, **over))
+    run(tiny_config(features, tmp_path / "bf16", max_steps=4, data__text_dtype="bf16", **over))
+    want, got = _final(tmp_path / "fp32", 4), _final(tmp_path / "bf16", 4)
+    assert got["tensors"].keys() == want["tensors"].keys() and len(want["tensors"]) > 10
+    for key, value in want["tensors"].items():
+        assert torch.equal(got["tensors"][key], value), f"{key} differs"

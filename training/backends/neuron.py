@@ -330,8 +330,12 @@ class NeuronBackend(Backend):
         # See the module docstring for why this is not MpDeviceLoader.
         import torch_xla.core.xla_model as xm
 
+        from training.input_pipeline import cast_text
+
         for batch in batches:
-            yield xm.send_cpu_data_to_device(batch, self.device)
+            # Captions reach the step graph as fp32 whatever data.text_dtype is (cast on the
+            # host: the graph, and so the compile cache, stay the same).
+            yield xm.send_cpu_data_to_device(cast_text(batch, torch.float32), self.device)
 
     def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
                       ) -> torch.Tensor:

@@ -53,10 +53,13 @@ class _Shard:
 
 
 class _Decoder:
-    """Reads samples straight out of the mmapped tars into batch tensors (one bf16->fp32 copy)."""
+    """Reads samples straight out of the mmapped tars into batch tensors (latents: one
+    bf16->fp32 copy; captions: into ``text_dtype``, fp32 or the stored bf16)."""
 
-    def __init__(self, index: FeatureIndex, cache_dir: str | Path | None, verify: bool) -> None:
+    def __init__(self, index: FeatureIndex, cache_dir: str | Path | None, verify: bool,
+                 text_dtype: torch.dtype = torch.float32) -> None:
         self.index, self.cache_dir, self.verify = index, cache_dir, verify
+        self.text_dtype = text_dtype
         self.starts = [0]
         for s in index.shards:
             self.starts.append(self.starts[-1] + s.samples)
@@ -122,7 +125,7 @@ class _Decoder:
         shape = tuple(latent_shape or ix.latent_shape)
         pin = _pin(pin_memory)
         return {"latents": torch.empty((batch_size, *shape), dtype=torch.float32, pin_memory=pin),
-                "text": torch.empty((batch_size, ix.max_text_tokens, ix.text_dim), dtype=torch.float32,
+                "text": torch.empty((batch_size, ix.max_text_tokens, ix.text_dim), dtype=self.text_dtype,
                                     pin_memory=pin),
                 "text_mask": torch.empty((batch_size, ix.max_text_tokens), dtype=torch.int64, pin_memory=pin)}
 

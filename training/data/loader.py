@@ -21,6 +21,9 @@ from training.errors import UserError
 
 log = logging.getLogger(__name__)
 
+#: ``data.text_dtype`` -> the dtype host batches carry captions in (shards store bf16)
+TEXT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -45,6 +48,10 @@ class DataConfig:
     #: optimizer steps each (x the loop's grad_accum_steps micro-batches), instead of the seeded shuffle (set by ``python -m training.trainium --precompile``
     #: so every bucket's graph is traced); 0 for training
     fixed_bucket_steps: int = 0
+    #: dtype of the captions in host batches: "fp32", or "bf16" (as stored: half the bytes
+    #: to pin and copy; the GPU backend casts to fp32 on the device, exactly; Trainium casts
+    #: on the host before the transfer, so its step graph is unchanged)
+    text_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str):
@@ -55,6 +62,8 @@ class DataConfig:
             raise ValueError(f"data.seed: must be an integer >= 0, got {self.seed!r}")
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"data.prefetch: must be an integer >= 0, got {self.prefetch!r}")
+        if self.text_dtype not in TEXT_DTYPES:
+            raise ValueError(f"data.text_dtype: {self.text_dtype!r} is not one of {', '.join(TEXT_DTYPES)}")
         if not isinstance(self.fixed_bucket_steps, int) or self.fixed_bucket_steps < 0:
             raise ValueError(f"data.fixed_bucket_steps: must be an integer >= 0, got {self.fixed_bucket_steps!r}")
 
@@ -160,7 +169,8 @@ class FeatureLoader:
     def __init__(self, source: str | os.PathLike[str] | FeatureIndex, *, batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, cache_dir: str | Path | None = None,
                  prefetch: int = 4, verify: bool = True, endpoint_url: str | None = None,
-                 pin_memory: bool = False, fixed_bucket_steps: int = 0, bucket_run: int = 1) -> None:
+                 pin_memory: bool = False, fixed_bucket_steps: int = 0, bucket_run: int = 1,
+                 text_dtype: str = "fp32") -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
         self.index = source if isinstance(source, FeatureIndex) else FeatureIndex.load(source, endpoint_url)
@@ -184,7 +194,9 @@ class FeatureLoader:
                         ", ".join(f"{b.name} ({b.samples})" for b in dropped))
         self.dropped_buckets = dropped
         self.prefetch, self.pin_memory = prefetch, pin_memory
-        self._decoder = _Decoder(self.index, cache_dir, verify)
+        if text_dtype not in TEXT_DTYPES:
+            raise ValueError(f"text_dtype: {text_dtype!r} is not one of {', '.join(TEXT_DTYPES)}")
+        self._decoder = _Decoder(self.index, cache_dir, verify, text_dtype=TEXT_DTYPES[text_dtype])
         if self.index.is_s3:
             self._decoder.prefetch_all()
         self._reader = _Reader(self._decoder, buckets=self.buckets, members=members, batch_size=batch_size,
@@ -202,7 +214,7 @@ class FeatureLoader:
         """``bucket_run``: micro-batches per optimizer step (the loop passes grad_accum_steps)."""
         return cls(cfg.path, batch_size=cfg.batch_size, rank=rank, world_size=world_size, seed=cfg.seed,
                    cache_dir=cfg.cache_dir, prefetch=cfg.prefetch, verify=cfg.verify, pin_memory=cfg.pin_memory,
-                   fixed_bucket_steps=cfg.fixed_bucket_steps, bucket_run=bucket_run)
+                   fixed_bucket_steps=cfg.fixed_bucket_steps, bucket_run=bucket_run, text_dtype=cfg.text_dtype)
 
     def permutation(self, epoch: int) -> torch.Tensor:
         """The epoch's order of samples: a function of (seed, epoch) only. One bucket: all
