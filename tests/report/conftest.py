@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import skip_or_fail
+
 REPO = Path(__file__).resolve().parents[2]
 XLA_PYTHON = REPO / ".venv-xla" / "bin" / "python"
 
@@ -30,7 +32,8 @@ def tiny_features(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def demo_comparison(tiny_features: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if not XLA_PYTHON.exists():
-        pytest.skip(".venv-xla missing: run `make setup-xla` to bench the Trainium backend on XLA CPU")
+        skip_or_fail(".venv-xla missing: run `make setup-xla` to bench the Trainium backend on XLA CPU",
+                     required_by="SANA_REQUIRE_ALL")
     from training.bench import run_demo_comparison
 
     return run_demo_comparison(tmp_path_factory.mktemp("compare"), features=tiny_features, steps=4,

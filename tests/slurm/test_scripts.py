@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import skip_or_fail
+
 REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "training" / "slurm"
 SCRIPTS = sorted([*SLURM_DIR.glob("*.sbatch"), *SLURM_DIR.glob("*.sh")])
@@ -21,7 +23,7 @@ def shellcheck() -> str:
     venv = REPO / ".venv" / "bin" / "shellcheck"
     found = str(venv) if venv.exists() else shutil.which("shellcheck")
     if found is None:
-        pytest.skip("shellcheck not installed; run `make setup`")
+        skip_or_fail("shellcheck not installed; run `make setup`", required_by="SANA_REQUIRE_ALL")
     return found
 
 
