@@ -72,15 +72,18 @@ def trim_batch(batch: Batch, length: int) -> Batch:
     """``batch`` with ``text`` [B, N, D] and ``text_mask`` [B, N] cut to ``length`` columns.
 
     The cut copies are contiguous: a strided view would be pinned and copied to the GPU at
-    nearly its full padded size (pinning allocates the view's whole storage span).
+    nearly its full padded size (pinning allocates the view's whole storage span). A cut of a
+    pinned loader buffer is pinned too, so the side-stream copy (training/input_pipeline.py)
+    does not pin it again on the main thread.
     """
     if batch["text"].shape[1] == length:
         return batch
-    return {
-        **batch,
-        "text": batch["text"][:, :length].contiguous(),
-        "text_mask": batch["text_mask"][:, :length].contiguous(),
-    }
+    return {**batch, "text": _cut(batch["text"], length), "text_mask": _cut(batch["text_mask"], length)}
+
+
+def _cut(t: torch.Tensor, length: int) -> torch.Tensor:
+    view = t[:, :length]
+    return torch.empty(view.shape, dtype=t.dtype, pin_memory=t.is_pinned()).copy_(view)
 
 
 @dataclasses.dataclass(frozen=True)
