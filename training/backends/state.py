@@ -120,35 +120,54 @@ class ShardedState:
     param_groups: list[dict[str, Any]] = field(default_factory=list)
 
 
+def placement_problem(placements: tuple[Any, ...]) -> str | None:
+    """Why a DTensor laid out by ``placements`` cannot go into a sharded checkpoint (None: it can).
+
+    A sharded checkpoint stores each tensor by global rows: a mesh dim may hold ``Shard(0)``
+    (rows ``chunk_rows`` of the coordinate) or ``Replicate()``, and at most one mesh dim may
+    shard. The type is compared exactly, not with isinstance: ``_StridedShard`` (FSDP2 + TP,
+    torch/distributed/tensor/placement_types.py) subclasses ``Shard`` in torch 2.9 (the
+    Trainium pin) but interleaves rows, so it would pass an isinstance check and be written
+    with the wrong rows. ``Partial`` (pending reductions) and ``Shard(d > 0)`` are refused too.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+
+    sharding = 0
+    for placement in placements:
+        if type(placement) is Shard and placement.dim == 0:
+            sharding += 1
+        elif type(placement) is not Replicate:
+            return f"placement {placement!r} is not Shard(0) or Replicate()"
+    if sharding > 1:
+        return f"placements {tuple(placements)!r} shard dim 0 over more than one mesh dim"
+    return None
+
+
+def unsupported_placements(model: nn.Module, extra: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+    """``name: reason`` for every checkpointed tensor of ``model`` (and ``extra``, e.g. EMA
+    shadows) whose DTensor placements a sharded checkpoint cannot store; empty when all can.
+    Cheap (no data touched): the Checkpointer calls it before step 0."""
+    tensors = {**_trainable(model), **(extra or {})}
+    problems = []
+    for name, t in tensors.items():
+        if hasattr(t, "device_mesh") and (problem := placement_problem(tuple(t.placements))):
+            problems.append(f"{name}: {problem}")
+    return problems
+
+
 def local_piece(t: torch.Tensor, rank: int, world: int) -> Piece | None:
     """The piece of ``t`` this rank writes, or None when another rank writes it.
 
-    A DTensor writes its own Shard(0) rows (replicas along Replicate mesh dims, e.g. HSDP's
-    replica groups, write only from coordinate 0); a plain tensor that every rank holds (DDP,
-    the XLA backend's replicated weights) is split into ``chunk_rows`` so each rank writes
-    1/world of it; a 0-dim tensor is written by rank 0.
+    A DTensor writes rows of its own Shard(0) chunk; the ranks that hold the same chunk (the
+    Replicate mesh dims: HSDP's replica groups, one per node) split those rows between them
+    with ``chunk_rows``, so every rank writes about 1/world of the state instead of replica 0
+    writing all of it. A plain tensor that every rank holds (DDP, the XLA backend's
+    replicated weights) is split into ``chunk_rows`` so each rank writes 1/world of it; a
+    0-dim tensor is written by one rank. Any split is exact on restore: pieces are
+    contiguous global rows and ``ShardReader`` assembles rows from whichever files hold them.
     """
     if hasattr(t, "device_mesh"):  # DTensor (FSDP2 / HSDP)
-        from torch.distributed.tensor import Replicate, Shard
-
-        mesh, coords = t.device_mesh, t.device_mesh.get_coordinate() or []
-        shard_dim = None
-        for i, placement in enumerate(t.placements):
-            if isinstance(placement, Shard) and placement.dim == 0:
-                shard_dim = i
-            elif not isinstance(placement, Replicate):
-                raise ValueError(f"sharded checkpoint: placement {placement} is not Shard(0)/Replicate")
-            elif coords[i] != 0:
-                return None
-        local = t.to_local()
-        shape = tuple(t.shape)
-        if shard_dim is None:
-            return Piece(local, None, None, 0, shape) if local.dim() == 0 else Piece(local, 0, shape[0], 0, shape)
-        start, stop = chunk_rows(shape[0], coords[shard_dim], mesh.size(shard_dim))
-        if local.shape[0] != stop - start:
-            raise ValueError(f"sharded checkpoint: local shard of {shape} has {local.shape[0]} rows, "
-                             f"torch.chunk gives {stop - start}")
-        return Piece(local, 0, stop - start, start, shape) if stop > start else None
+        return _dtensor_piece(t)
     shape = tuple(t.shape)
     if t.dim() == 0:
         return Piece(t, None, None, 0, shape) if rank == 0 else None
@@ -156,6 +175,33 @@ def local_piece(t: torch.Tensor, rank: int, world: int) -> Piece | None:
     if stop == start:
         return Piece(t, 0, 0, 0, shape) if shape[0] == 0 and rank == 0 else None
     return Piece(t, start, stop, start, shape)
+
+
+def _dtensor_piece(t: torch.Tensor) -> Piece | None:
+    mesh, coords = t.device_mesh, t.device_mesh.get_coordinate()
+    if coords is None:
+        return None  # this rank is not part of the tensor's mesh
+    if problem := placement_problem(tuple(t.placements)):
+        raise ValueError(f"sharded checkpoint: {problem}")
+    shard_dim = next((i for i, p in enumerate(t.placements) if p.is_shard()), None)
+    local, shape = t.to_local(), tuple(t.shape)
+    # The replicas of this rank's chunk, numbered row-major over the non-sharding mesh dims.
+    replica, replicas = 0, 1
+    for i, coord in enumerate(coords):
+        if i != shard_dim:
+            replica, replicas = replica * mesh.size(i) + coord, replicas * mesh.size(i)
+    if local.dim() == 0:
+        return Piece(local, None, None, 0, shape) if replica == 0 else None
+    start, stop = 0, shape[0]
+    if shard_dim is not None:
+        start, stop = chunk_rows(shape[0], coords[shard_dim], mesh.size(shard_dim))
+        if local.shape[0] != stop - start:
+            raise ValueError(f"sharded checkpoint: local shard of {shape} has {local.shape[0]} rows, "
+                             f"torch.chunk gives {stop - start}")
+    if shape[0] == 0:  # no rows anywhere: one rank records the (empty) tensor
+        return Piece(local, 0, 0, 0, shape) if replica == 0 and not any(coords) else None
+    lo, hi = chunk_rows(stop - start, replica, replicas)
+    return Piece(local, lo, hi, start + lo, shape) if hi > lo else None
 
 
 def _trainable(model: nn.Module) -> dict[str, torch.Tensor]:

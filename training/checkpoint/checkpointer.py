@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from torch import nn
 
 from training.backends.base import Backend
 from training.checkpoint import sharded
+from training.checkpoint.branch import Branch
 from training.checkpoint.layout import (
     EMA_FILE,
     FORMAT,
@@ -40,6 +42,7 @@ from training.checkpoint.layout import (
     STATE_FILE,
     STEP_RE,
     TMP_PREFIX,
+    commit_dir,
     fault_point,
     find_latest,
     fsync_dir,
@@ -48,6 +51,7 @@ from training.checkpoint.layout import (
     log,
     rank_rng_file,
     read_manifest,
+    recover_temp_dirs,
     sha256_file,
     step_dir_name,
     verify,
@@ -261,11 +265,14 @@ class Checkpointer:
         self._job_final: Path | None = None
         self._job_tmp: Path | None = None
         self._stager = sharded.Stager()
+        #: this run's trajectory (training/checkpoint/branch.py); ``restore`` forks it from the
+        #: checkpoint it resumes, so S3 restores and prunes follow this run, not one it left
+        self.branch = Branch.fresh()
         if backend.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(".tmp-*"):
-                # Left by a run killed mid-write; never a candidate for resume.
-                shutil.rmtree(stale, ignore_errors=True)
+            if cfg.enabled:
+                # A crashed commit: finish one whose manifest is complete, delete the rest.
+                recover_temp_dirs(self.root)
             if cfg.s3_mirror and cfg.enabled:
                 from training.checkpoint.mirror import S3Mirror
 
@@ -336,19 +343,23 @@ class Checkpointer:
                 frozen_from=self.frozen_from)
         final = self.root / step_dir_name(step)
         tmp = self.root / f"{_TMP_PREFIX}{step:08d}"
-        extra = {"frozen_from": self.frozen_from}
+        extra = {"frozen_from": self.frozen_from, "branch": self.branch.to_json()}
+        timeout_s = sharded.RANK_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
 
         def work() -> None:
             sharded.write_rank(tmp, step=step, rank=rank, staged=staged, rng=rng, train_state=train_state)
             if backend.is_main:
-                sharded.commit(tmp, final, step=step, world_size=world, extra=extra)
+                sharded.commit(tmp, final, step=step, world_size=world, extra=extra,
+                               timeout_s=max(0.0, deadline - time.monotonic()))
                 log.info("checkpoint saved: %s", final)
                 if self.mirror is not None:
                     self.mirror.submit(final)
                 self._prune()
 
         self.last_saved_step = step
-        self._job, self._job_final, self._job_tmp = sharded.SaveJob(work, f"checkpoint-{step}"), final, tmp
+        self._job = sharded.SaveJob(work, f"checkpoint-{step}", timeout_s=timeout_s)
+        self._job_final, self._job_tmp = final, tmp
         if not self.cfg.async_save:
             self.wait()
         return final
@@ -367,7 +378,7 @@ class Checkpointer:
         error = shared or error
         if error:
             if self.backend.is_main:
-                shutil.rmtree(self._job_tmp, ignore_errors=True)
+                sharded.discard(self._job_tmp)
             raise UserError(f"checkpoint.dir: writing {final} failed: {error}; free space or fix "
                             f"permissions under {self.root} (or lower checkpoint.keep_last), then resume")
 
@@ -440,13 +451,10 @@ class Checkpointer:
         files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
                  for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
         _write_json(tmp / MANIFEST, {"format": FORMAT, "step": step, "files": files,
-                                     "world_size": self.backend.world_size})
+                                     "world_size": self.backend.world_size, "branch": self.branch.to_json()})
         fsync_dir(tmp)
         fault_point(step, "before-rename")
-        if final.exists():  # an older attempt at this step (e.g. resumed from an earlier one)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(self.root)
+        commit_dir(tmp, final)
         log.info("checkpoint saved: %s", final)
         if self.mirror is not None:
             self.mirror.submit(final)
@@ -499,11 +507,20 @@ class Checkpointer:
                 scheduler: Stateful | None = None, ema: Any = None,
                 loader: Stateful | None = None, state: TrainState) -> Path | None:
         """Load everything from the checkpoint ``cfg.resume`` selects. Returns its path, or None
-        for a fresh start. RNG streams are restored last so nothing here perturbs them."""
+        for a fresh start. RNG streams are restored last so nothing here perturbs them.
+
+        Also where a run's checkpointing starts: the model's placements are checked (a sharded
+        checkpoint of a layout it cannot store fails here, before step 0, not at the first save)
+        and this run's branch forks from the checkpoint (training/checkpoint/branch.py)."""
+        self.check_placements(model, ema)
         path = self.resolve_resume()
+        backend = self.backend
+        if backend.is_main and self.cfg.enabled:
+            self.branch = Branch.fork(read_manifest(path) if path is not None else None)
+            if self.mirror is not None:
+                self.mirror.announce(self.branch)
         if path is None:
             return None
-        backend = self.backend
         if backend.is_main:
             self._set_aside_later(path)
         meta = json.loads((path / STATE_FILE).read_text())
@@ -531,6 +548,20 @@ class Checkpointer:
         self.last_saved_step = state.step
         log.info("resumed from %s at step %d", path, state.step)
         return path
+
+    def check_placements(self, model: nn.Module, ema: Any = None) -> None:
+        """Refuse, in one line, a model whose DTensor layout the sharded format cannot store."""
+        if self.cfg.format != "sharded" or not self.cfg.enabled:
+            return
+        from training.backends.state import unsupported_placements
+
+        shadows = getattr(ema, "shadow", None) or {}
+        problems = unsupported_placements(self.backend.unwrap(model), {f"ema/{k}": v for k, v in shadows.items()})
+        if problems:
+            raise UserError(f"checkpoint.format: sharded checkpoints store Shard(0)/Replicate() layouts only "
+                            f"(FSDP2, HSDP, DDP, ZeRO-1); {problems[0]}"
+                            f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; "
+                            "set checkpoint.format=full for this layout")
 
     def _load_full(self, path: Path, meta: Mapping[str, Any], *, model: nn.Module,
                    optimizer: torch.optim.Optimizer, ema: Any) -> None:

@@ -3,7 +3,10 @@
 Two formats share one rule: a checkpoint is written into ``.tmp-step-XXXXXXXX`` beside its
 final name, every file is fsynced, ``manifest.json`` goes in last and the directory is renamed
 into place (then the parent is fsynced), so a crash at any instant leaves either a complete
-``step-*`` or a temp directory that ``find_latest`` never looks at.
+``step-*`` or a temp directory that ``find_latest`` never looks at. ``commit_dir`` never
+deletes an older copy of the same step before the new one is in place, and
+``recover_temp_dirs`` (every start) finishes the rename of a temp directory whose manifest
+is complete and deletes only incomplete ones.
 
 - ``sana-checkpoint/1`` (``checkpoint.format: full``): rank 0 wrote the full state
   (``model.safetensors``, ``optimizer.pt``, ``ema.safetensors``); still read everywhere.
@@ -21,6 +24,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -38,6 +42,10 @@ STATE_FILE = "train_state.json"
 RNG_FILE = "rng.pt"
 STEP_RE = re.compile(r"^step-(\d{8})$")
 TMP_PREFIX = ".tmp-step-"
+#: temp dirs that become ``step-XXXXXXXX`` once complete: a save's, or an S3 fetch's (mirror.py)
+TMP_RE = re.compile(r"^\.tmp-(?:fetch-)?step-(\d{8})$")
+#: where ``commit_dir`` moves the older copy of a step while the new one is renamed in
+REPLACED_PREFIX = ".tmp-replaced-"
 #: test hook: ``<step>:<point>[:<rank>][:enospc]`` SIGKILLs (or fails with ENOSPC) the process
 #: at that point of that step's save, on every rank or only on ``<rank>`` (see fault_point).
 FAULT_ENV = "SANA_CHECKPOINT_FAULT"
@@ -121,6 +129,71 @@ def write_json(path: Path, obj: Any) -> dict[str, Any]:
     out = HashingWriter(path)
     out.write(json.dumps(obj, indent=1, sort_keys=True, allow_nan=True).encode())
     return out.close()
+
+
+def publish_json(path: Path, obj: Any) -> dict[str, Any]:
+    """``write_json`` under a temp name, then renamed to ``path``: a reader listing the
+    directory (rank 0 waiting for done records, possibly on another node) sees the record
+    whole or not at all."""
+    part = path.with_name(f".{path.name}.part")
+    entry = write_json(part, obj)
+    os.replace(part, path)
+    return entry
+
+
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Rename the complete ``tmp`` into place as ``final``.
+
+    An older ``final`` (an earlier attempt at the same step: another run in this root, a
+    fetch over a local copy) is renamed aside to ``.tmp-replaced-<name>`` first and deleted
+    only once the new one is in place. rename(2) cannot swap two non-empty directories, so
+    for an instant no ``final`` exists; a crash there leaves the complete ``tmp``, which
+    ``recover_temp_dirs`` renames into place at the next start (the temp dir always holds
+    the newer attempt, so recovery is never ambiguous). Nothing is ever lost to a crash:
+    before, ``rmtree(final)`` then ``replace`` lost both copies if the process died between.
+    """
+    root = final.parent
+    if not final.exists():
+        os.replace(tmp, final)
+        fsync_dir(root)
+        return
+    old = root / f"{REPLACED_PREFIX}{final.name}"
+    if old.exists():
+        shutil.rmtree(old)
+    os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_temp_dirs(root: Path) -> list[Path]:
+    """Every start, before anything reads ``root``: finish what a crash interrupted.
+
+    A ``.tmp-step-X`` (or ``.tmp-fetch-step-X``) whose manifest is complete (every file
+    present with its size; the manifest is written only after every rank's files were
+    fsynced) and names step X is renamed into place as ``step-X``, as the crashed commit
+    would have. Everything else starting ``.tmp-`` (incomplete temp dirs, the older copy
+    ``commit_dir`` set aside, failure records) is deleted. Returns the finished checkpoints.
+    """
+    finished: list[Path] = []
+    if not root.is_dir():
+        return finished
+    for entry in sorted(root.glob(".tmp-*")):
+        match = TMP_RE.match(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink():
+            manifest = verify(entry, full=False)
+            if manifest is not None and manifest.get("step") == int(match.group(1)):
+                final = root / step_dir_name(int(match.group(1)))
+                commit_dir(entry, final)
+                log.warning("finished the commit of %s: %s held a complete manifest", final, entry.name)
+                finished.append(final)
+                continue
+        log.info("removing %s (left incomplete by a run killed mid-write)", entry)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    return finished
 
 
 def fault_point(step: int, point: str, rank: int = 0) -> None:

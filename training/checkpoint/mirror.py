@@ -18,6 +18,25 @@ Uploads run on one daemon thread so the training step does not wait for S3. If c
 arrive faster than they upload, only the newest queued one is uploaded (older ones are
 superseded: resume wants the newest). ``close()`` waits for the queue to drain.
 
+Branches (training/checkpoint/branch.py): S3 keeps every trajectory's checkpoints under the
+same ``step-*`` keys, so resuming from an older step would leave the abandoned later ones
+looking newest. The run's branch is therefore published as ``branch.json`` (the head)
+before any manifest naming it is uploaded (``announce``, retried before every upload until
+it lands; a manifest is never uploaded while its head is not in place), and:
+
+- ``fetch_latest`` takes the newest checkpoint on the head's lineage, never one of an
+  abandoned branch, even one whose manifest arrived after the head (an older run's mirror
+  still draining);
+- ``prune`` counts and deletes only checkpoints on the live lineage (the abandoned ones are
+  left, like local ``abandoned-step-*`` directories), and does nothing once a run that
+  started later owns the head (an older run never prunes a newer run's ancestors);
+- a run whose head was replaced by a later run's uploads nothing more (two runs on one
+  prefix: the later start wins).
+
+If the head cannot be published at all (S3 down from the resume until the run dies), S3 still
+names the previous branch; nothing of the new one is on S3 then, and a restore from S3
+follows the previous head.
+
 NOTE: backoff jitter uses a private ``random.Random``: the global ``random`` stream belongs
 to the training run and must not depend on how often S3 failed (bit-identical resume).
 """
@@ -36,7 +55,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from training import s3 as s3lib
-from training.checkpoint.layout import MANIFEST, read_manifest, sha256_file, step_dir_name, verify
+from training.checkpoint.branch import HEAD_KEY, Branch
+from training.checkpoint.layout import MANIFEST, commit_dir, read_manifest, sha256_file, step_dir_name, verify
 from training.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -78,6 +98,9 @@ class S3Mirror:
         self._botocore_attempts = botocore_attempts
         self._queue: list[Path] = []
         self._active: Path | None = None
+        #: the branch to publish as head before the next upload; the one known to be there
+        self._announce: Branch | None = None
+        self._head: Branch | None = None
         self._closing = False
         self._cond = threading.Condition()
         self.uploaded: list[int] = []
@@ -94,6 +117,14 @@ class S3Mirror:
             self._queue.append(Path(ckpt_dir).resolve())
             self._cond.notify_all()
 
+    def announce(self, branch: Branch) -> None:
+        """Publish ``branch`` as the head now (in the background), so that a restore from S3
+        stops following the branch this run left as soon as possible, not only at its first
+        upload. Failures are retried before every upload."""
+        with self._cond:
+            self._announce = branch
+            self._cond.notify_all()
+
     def pending(self) -> set[Path]:
         """Checkpoint dirs queued or uploading: the local pruner must not delete these."""
         with self._cond:
@@ -102,7 +133,7 @@ class S3Mirror:
     def wait(self) -> None:
         """Block until every submitted checkpoint is uploaded (or has failed)."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._queue and self._active is None)
+            self._cond.wait_for(lambda: not self._queue and self._active is None and self._announce is None)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drain the queue, then stop the thread. Failures are logged, not raised.
@@ -126,12 +157,29 @@ class S3Mirror:
         s3 = s3lib.client(self._endpoint_url, self._botocore_attempts)
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closing)
-                if not self._queue:
+                self._cond.wait_for(lambda: self._queue or self._closing or self._announce is not None)
+                announce = self._announce
+                if not self._queue and announce is None:
                     return
-                *older, newest = sorted(self._queue, key=lambda p: p.name)
-                self._queue.clear()
-                self._active = newest
+                if not self._queue:  # only the head to publish
+                    self._active = None
+                    newest = None
+                else:
+                    *older, newest = sorted(self._queue, key=lambda p: p.name)
+                    self._queue.clear()
+                    self._active = newest
+            if newest is None:
+                try:
+                    self.publish_head(announce, s3=s3)
+                except Exception as exc:  # noqa: BLE001 - every upload publishes its own head first
+                    log.error("S3 mirror: could not publish %s/%s: %s; retrying before the next upload",
+                              self.dest, HEAD_KEY, exc)
+                finally:
+                    with self._cond:
+                        if self._announce is announce:
+                            self._announce = None
+                        self._cond.notify_all()
+                continue
             for path in older:
                 log.info("S3 mirror: %s superseded by %s before its upload started", path.name, newest.name)
                 self.skipped.append(int(path.name.split("-")[1]))
@@ -146,7 +194,28 @@ class S3Mirror:
             finally:
                 with self._cond:
                     self._active = None
+                    if self._announce is not None and self._head == self._announce:
+                        self._announce = None  # the upload published it
                     self._cond.notify_all()
+
+    def head(self, *, s3=None) -> Branch | None:
+        """The branch ``branch.json`` names now (None: no head, e.g. mirrored before branches)."""
+        return read_head(str(self.dest), s3=s3 or s3lib.client(self._endpoint_url, self._botocore_attempts))
+
+    def publish_head(self, branch: Branch, *, s3=None) -> None:
+        """Make ``branch`` the head, unless a run that started later already is (then raise
+        MirrorError: this run must not upload over a newer one)."""
+        s3 = s3 or s3lib.client(self._endpoint_url, self._botocore_attempts)
+        current = self._do(lambda: read_head(str(self.dest), s3=s3), f"read {self.dest}/{HEAD_KEY}")
+        if current is not None and current.id != branch.id and current.started_ns > branch.started_ns:
+            raise MirrorError(f"{self.dest}/{HEAD_KEY} names branch {current.id}, started after this run "
+                              f"(branch {branch.id}): another run owns this prefix; not uploading")
+        if current != branch:
+            body = json.dumps(branch.to_json(), sort_keys=True).encode()
+            self._do(lambda: s3lib.put_bytes(body, self.dest.join(HEAD_KEY), s3=s3), f"upload {self.dest}/{HEAD_KEY}")
+            log.info("S3 mirror: %s/%s -> branch %s (lineage %s)", self.dest, HEAD_KEY, branch.id,
+                     list(branch.lineage))
+        self._head = branch
 
     def upload(self, ckpt_dir: Path, *, s3=None) -> int:
         """Upload one complete checkpoint dir, manifest last. Returns its step."""
@@ -158,6 +227,10 @@ class S3Mirror:
         prefix = self.dest.join(step_dir_name(step))
         bucket = self.dest.bucket
         manifest_key = prefix.join(MANIFEST).key
+        # (0) the head names this checkpoint's branch (or a newer run owns the prefix: stop here)
+        branch = Branch.from_json(manifest.get("branch"))
+        if branch is not None:
+            self.publish_head(branch, s3=s3)
         # (1) an older manifest for this step must not describe the objects we are replacing
         self._do(lambda: s3.delete_object(Bucket=bucket, Key=manifest_key), f"delete {prefix}/{MANIFEST}")
         # (2) + (3) data files, each checked to be there with the right size
@@ -171,29 +244,49 @@ class S3Mirror:
                     raise MirrorError(f"{url}: {got} bytes on S3, {size} expected")
 
             self._do(put_and_check, f"upload {url}")
-        # (4) the commit record
+        # (4) the commit record, after one more look at the head: a run that started meanwhile
+        # owns the prefix now (its manifests are the live ones; ours would be off its lineage)
+        if branch is not None:
+            self.publish_head(branch, s3=s3)
         body = (ckpt_dir / MANIFEST).read_bytes()
         self._do(lambda: s3lib.put_bytes(body, prefix.join(MANIFEST), s3=s3), f"upload {prefix}/{MANIFEST}")
         log.info("S3 mirror: %s -> %s", ckpt_dir, prefix)
         return step
 
     def prune(self, *, s3=None) -> None:
-        """Keep the newest ``keep_last`` complete checkpoints on S3; delete older ones (and older
-        incomplete leftovers), manifest first."""
+        """Keep the newest ``keep_last`` checkpoints of the live branch on S3; delete its older
+        ones (and older incomplete leftovers), manifest first. Checkpoints of abandoned branches
+        are neither counted nor deleted, and nothing is deleted once another run owns the head."""
         s3 = s3 or s3lib.client(self._endpoint_url, self._botocore_attempts)
+        live_branch = self._head
+        head = self._do(lambda: read_head(str(self.dest), s3=s3), f"read {self.dest}/{HEAD_KEY}")
+        if live_branch is not None and head is not None and head.id != live_branch.id:
+            log.warning("S3 mirror: %s/%s names branch %s, not this run's %s; not pruning", self.dest, HEAD_KEY,
+                        head.id, live_branch.id)
+            return
+        live_branch = live_branch or head
         by_step = _group_keys(s3lib.list_keys(self.dest, s3=s3))
         complete = sorted(step for step, names in by_step.items() if MANIFEST in names)
-        if len(complete) <= self.keep_last:
+        live = [step for step in complete
+                if live_branch is None or live_branch.holds(self._remote_manifest(step, s3) or {})]
+        if len(live) <= self.keep_last:
             return
-        keep_from = complete[-self.keep_last]
+        keep_from = live[-self.keep_last]
         for step in sorted(by_step):
-            if step >= keep_from:
-                continue
+            if step >= keep_from or (step in complete and step not in live):
+                continue  # kept, or another branch's
             names = sorted(by_step[step], key=lambda n: n != MANIFEST)  # manifest first
             for name in names:
                 key = self.dest.join(step_dir_name(step), name).key
                 self._do(lambda key=key: s3.delete_object(Bucket=self.dest.bucket, Key=key), f"delete {key}")
             log.info("S3 mirror: removed %s (keep_last=%d)", step_dir_name(step), self.keep_last)
+
+    def _remote_manifest(self, step: int, s3) -> dict | None:
+        url = self.dest.join(step_dir_name(step), MANIFEST)
+        try:
+            return _parse_manifest(self._do(lambda: s3lib.get_bytes(url, s3=s3), f"read {url}"))
+        except MirrorError:
+            return None
 
     def _do(self, fn: Callable[[], T], what: str) -> T:
         return _retry(fn, what, **self._retry_kw)
@@ -209,10 +302,61 @@ def _group_keys(keys: list[str]) -> dict[int, set[str]]:
 
 
 # ----- restore side -----------------------------------------------------------------------
+def read_head(url: str, s3=None) -> Branch | None:
+    """The branch ``<url>/branch.json`` names; None when there is none (a prefix mirrored
+    before branches existed: every complete checkpoint counts as live then)."""
+    try:
+        body = s3lib.get_bytes(s3lib.parse_s3_url(url).join(HEAD_KEY), s3=s3)
+    except UserError as exc:
+        if "no such object" not in str(exc):
+            raise
+        return None
+    try:
+        return Branch.from_json(json.loads(body))
+    except ValueError:
+        log.warning("%s/%s is not a branch record; treating every checkpoint as live", url, HEAD_KEY)
+        return None
+
+
 def remote_checkpoints(url: str, s3=None) -> list[int]:
-    """Steps under ``url`` that have a manifest on S3, oldest first."""
+    """Steps under ``url`` that have a manifest on S3 (of any branch), oldest first."""
     by_step = _group_keys(s3lib.list_keys(url, s3=s3))
     return sorted(step for step, names in by_step.items() if MANIFEST in names)
+
+
+def live_checkpoints(url: str, s3=None) -> list[int]:
+    """Steps under ``url`` with a manifest on the head's lineage, oldest first."""
+    s3 = s3 or s3lib.client()
+    head = read_head(url, s3=s3)
+    base = s3lib.parse_s3_url(url)
+    return [step for step in remote_checkpoints(url, s3=s3)
+            if head is None or head.holds(_get_manifest(base.join(step_dir_name(step)), s3) or {})]
+
+
+def _parse_manifest(body: bytes) -> dict | None:
+    try:
+        manifest = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or "step" not in manifest:
+        return None
+    return manifest
+
+
+def _get_manifest(src: s3lib.S3Url, s3) -> tuple[dict, bytes] | None:
+    """(parsed manifest, its bytes) of the checkpoint at ``src``; None when it has none."""
+    try:
+        body = s3lib.get_bytes(src.join(MANIFEST), s3=s3)
+    except UserError as exc:
+        if "no such object" not in str(exc):
+            raise  # access denied, no bucket: say so rather than "no checkpoint"
+        log.warning("%s: no manifest on S3; not a complete checkpoint", src)
+        return None
+    manifest = _parse_manifest(body)
+    if manifest is None:
+        log.warning("%s: manifest.json is not a checkpoint manifest; skipping", src)
+        return None
+    return manifest, body
 
 
 def fetch_checkpoint(url: str, local_root: str | Path, s3=None) -> Path | None:
@@ -224,25 +368,17 @@ def fetch_checkpoint(url: str, local_root: str | Path, s3=None) -> Path | None:
     """
     s3 = s3 or s3lib.client()
     src = s3lib.parse_s3_url(url.rstrip("/"))
+    got = _get_manifest(src, s3)
+    return None if got is None else _download(src, *got, Path(local_root), s3)
+
+
+def _download(src: s3lib.S3Url, manifest: dict, manifest_bytes: bytes, local_root: Path, s3) -> Path | None:
     name = src.key.rsplit("/", 1)[-1]
-    local_root = Path(local_root)
-    local_root.mkdir(parents=True, exist_ok=True)
-    try:
-        manifest_bytes = s3lib.get_bytes(src.join(MANIFEST), s3=s3)
-    except UserError as exc:
-        if "no such object" not in str(exc):
-            raise  # access denied, no bucket: say so rather than "no checkpoint"
-        log.warning("%s: no manifest on S3; not a complete checkpoint", src)
-        return None
-    try:
-        manifest = json.loads(manifest_bytes)
-        files = dict(manifest["files"])
-    except (ValueError, KeyError, TypeError):
-        log.warning("%s: manifest.json is not a checkpoint manifest; skipping", src)
-        return None
-    if any("/" in name or "\\" in name or name.startswith(".") for name in files):
+    files = dict(manifest["files"])
+    if any("/" in f or "\\" in f or f.startswith(".") for f in files):
         log.warning("%s: manifest.json names files outside the checkpoint directory; skipping", src)
         return None
+    local_root.mkdir(parents=True, exist_ok=True)
     tmp = local_root / f".tmp-fetch-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -257,19 +393,26 @@ def fetch_checkpoint(url: str, local_root: str | Path, s3=None) -> Path | None:
         shutil.rmtree(tmp, ignore_errors=True)
         return None
     final = local_root / name
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
+    commit_dir(tmp, final)
     log.info("fetched %s -> %s", src, final)
     return final
 
 
 def fetch_latest(url: str, local_root: str | Path, s3=None) -> Path | None:
-    """Download the newest complete checkpoint under the mirror prefix ``url``; None if none."""
+    """Download the newest complete checkpoint of the live branch under the mirror prefix
+    ``url`` (the head's lineage; every checkpoint when there is no head); None if none."""
     s3 = s3 or s3lib.client()
     base = s3lib.parse_s3_url(url)
+    head = read_head(url, s3=s3)
     for step in reversed(remote_checkpoints(url, s3=s3)):
-        found = fetch_checkpoint(str(base.join(step_dir_name(step))), local_root, s3=s3)
+        src = base.join(step_dir_name(step))
+        got = _get_manifest(src, s3)
+        if got is None:
+            continue
+        if head is not None and not head.holds(got[0]):
+            log.info("%s: not on the live branch %s (an abandoned trajectory); skipping", src, head.id)
+            continue
+        found = _download(src, *got, Path(local_root), s3)
         if found is not None:
             return found
     return None
