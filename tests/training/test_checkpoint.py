@@ -9,9 +9,11 @@ import random
 import shutil
 from pathlib import Path
 
+import boto3
 import numpy as np
 import pytest
 import torch
+from faultproxy import FaultProxy
 from safetensors.torch import load_file
 
 from training.backends.gpu import GpuBackend, GpuConfig
@@ -28,6 +30,7 @@ from training.checkpoint import (
     verify,
 )
 from training.checkpoint.consolidate import load_full
+from training.checkpoint.mirror import S3Mirror, live_checkpoints, read_head
 from training.data import FeatureLoader, write_synthetic_features
 from training.ema import EMA, EmaConfig
 from training.errors import UserError
@@ -293,6 +296,93 @@ def test_restore_from_s3_mirror_when_local_is_empty(features, tmp_path, s3_bucke
     run = Run(features, tmp_path / "g", resume=f"{url}/step-{first:08d}")
     assert run.restore() == tmp_path / "g" / f"step-{first:08d}" and run.state.step == first
     run.close()
+
+
+def _mirrored_steps(run: Run, n: int) -> None:
+    """``n`` steps, each save committed and uploaded before the next (no upload superseded)."""
+    for _ in range(n):
+        run.steps(1)
+        run.ckpt.wait()
+        run.ckpt.mirror.wait()
+
+
+def test_s3_restore_and_prune_follow_the_live_branch_after_resuming_an_older_step(
+        features, tmp_path, s3_endpoint, s3_bucket, monkeypatch):
+    """Run A mirrors to step 12; run B goes back to step 4 (through a faulty network) and
+    saves 6 and 8. On S3, A's 10 and 12 keep their manifests (nothing can be renamed there),
+    but they are off the live lineage: B's prune neither counts them nor deletes B's own
+    checkpoints for them, a late upload from A's mirror is refused (or, if it lands, ignored),
+    and after losing the local disk ``resume: auto`` takes B's step 8, not A's newer steps."""
+    url = f"s3://{s3_bucket}/runs/branches"
+    root = tmp_path / "ckpt"
+    a = Run(features, root, every_steps=2, s3_mirror=url, s3_keep_last=3)
+    assert a.restore() is None
+    _mirrored_steps(a, 12)
+    a.close()
+    assert remote_checkpoints(url) == [8, 10, 12]
+
+    force = [("PUT", "branch.json", "drop-after"), ("PUT", "branch.json", "503")]
+    with FaultProxy(s3_endpoint, error_rate=0.1, drop_rate=0.1, max_faults=20, seed=11, force=force) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+        b = Run(features, root, every_steps=2, s3_mirror=url, s3_keep_last=3, resume=str(root / "step-00000004"))
+        assert b.restore() == root / "step-00000004"
+        _mirrored_steps(b, 4)  # saves 6 and 8 (8 replaces A's 8 on S3)
+        want = b.weights()
+        b.close()
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    assert {"drop-after", "503"} <= set(proxy.stats), proxy.stats
+    # B's head was on S3 before any manifest of B (a PUT that S3 executed: 200, or dropped after)
+    stored = [path for method, path, outcome in proxy.log if method == "PUT" and outcome in ("200", "drop-after")]
+    first_manifest = next(i for i, path in enumerate(stored) if path.endswith("/" + MANIFEST))
+    assert any(path.endswith("/branch.json") for path in stored[:first_manifest]), stored
+    assert read_head(url).id == b.ckpt.branch.id
+    # Nothing of B was pruned for A's newer (abandoned) steps, which stay on S3 but not live.
+    assert remote_checkpoints(url) == [6, 8, 10, 12]
+    assert live_checkpoints(url) == [6, 8]
+
+    # A's mirror, still draining (e.g. a cancelled job's close()), tries to upload A's step 10
+    # again: refused, since a run that started later owns the head.
+    late = S3Mirror(url)
+    late.submit(root / "abandoned-step-00000010")
+    late.close()
+    assert late.failed == [10] and live_checkpoints(url) == [6, 8]
+    # Even a manifest of A that lands after the head (the race the check cannot close) is ignored.
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    for obj in s3.list_objects_v2(Bucket=s3_bucket, Prefix="runs/branches/step-00000012/")["Contents"]:
+        key = obj["Key"].replace("step-00000012", "step-00000014")
+        body = s3.get_object(Bucket=s3_bucket, Key=obj["Key"])["Body"].read()
+        if key.endswith(MANIFEST):
+            body = json.dumps({**json.loads(body), "step": 14}).encode()
+        s3.put_object(Bucket=s3_bucket, Key=key, Body=body)
+    assert remote_checkpoints(url)[-1] == 14 and live_checkpoints(url) == [6, 8]
+
+    shutil.rmtree(root)  # the local checkpoints are gone (lost FSx, a new cluster)
+    c = Run(features, root, every_steps=2, s3_mirror=url, s3_keep_last=3)
+    assert c.restore() == root / "step-00000008" and c.state.step == 8
+    assert_same(c.weights(), want)
+    _mirrored_steps(c, 4)  # 10 and 12 replace A's; then B's 6 is the oldest live one: pruned
+    c.close()
+    assert live_checkpoints(url) == [8, 10, 12]
+    assert remote_checkpoints(url) == [8, 10, 12, 14]  # A's late 14 is left, never resumed
+
+
+def test_branch_lineage_across_forks_and_checkpoints_from_before_branches():
+    from training.checkpoint.branch import Branch
+
+    def manifest(branch: Branch | None, step: int) -> dict:
+        return {"step": step, "files": {}, **({"branch": branch.to_json()} if branch else {})}
+
+    a = Branch.fresh()
+    b = Branch.fork(manifest(a, 4))  # back to A's step 4
+    c = Branch.fork(manifest(b, 6))  # back to B's step 6
+    assert b.holds(manifest(a, 4)) and b.holds(manifest(a, 2)) and not b.holds(manifest(a, 6))
+    assert b.holds(manifest(b, 8)) and not b.holds(manifest(c, 8))
+    assert c.holds(manifest(a, 4)) and c.holds(manifest(b, 6)) and not c.holds(manifest(b, 8))
+    assert not c.holds(manifest(a, 6)) and c.lineage == ((None, 4), (a.id, 4), (b.id, 6))[1:]
+    legacy = Branch.fork(manifest(None, 3))  # resumed from a checkpoint written before branches
+    assert legacy.holds(manifest(None, 3)) and not legacy.holds(manifest(None, 5))
+    assert not Branch.fresh().holds(manifest(None, 1)) and not a.holds(manifest(b, 8))
+    assert Branch.from_json(c.to_json()) == c and Branch.from_json({"id": 3}) is None
 
 
 def test_rng_capture_and_restore_covers_python_numpy_torch():

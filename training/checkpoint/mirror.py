@@ -182,7 +182,7 @@ class S3Mirror:
                 continue
             for path in older:
                 log.info("S3 mirror: %s superseded by %s before its upload started", path.name, newest.name)
-                self.skipped.append(int(path.name.split("-")[1]))
+                self.skipped.append(_dir_step(path))
             try:
                 step = self.upload(newest, s3=s3)
                 self.uploaded.append(step)
@@ -190,7 +190,7 @@ class S3Mirror:
                     self.prune(s3=s3)
             except Exception as exc:  # noqa: BLE001 - never kill training for the mirror
                 log.error("S3 mirror: %s not mirrored: %s", newest, exc)
-                self.failed.append(int(newest.name.split("-")[1]))
+                self.failed.append(_dir_step(newest))
             finally:
                 with self._cond:
                     self._active = None
@@ -292,6 +292,12 @@ class S3Mirror:
         return _retry(fn, what, **self._retry_kw)
 
 
+def _dir_step(path: Path) -> int:
+    """The step in a checkpoint dir's name (``step-00000010``, ``abandoned-step-00000010``)."""
+    match = re.search(r"step-(\d{8})", path.name)
+    return int(match.group(1)) if match else -1
+
+
 def _group_keys(keys: list[str]) -> dict[int, set[str]]:
     by_step: dict[int, set[str]] = {}
     for key in keys:
@@ -329,8 +335,12 @@ def live_checkpoints(url: str, s3=None) -> list[int]:
     s3 = s3 or s3lib.client()
     head = read_head(url, s3=s3)
     base = s3lib.parse_s3_url(url)
-    return [step for step in remote_checkpoints(url, s3=s3)
-            if head is None or head.holds(_get_manifest(base.join(step_dir_name(step)), s3) or {})]
+    steps = []
+    for step in remote_checkpoints(url, s3=s3):
+        got = _get_manifest(base.join(step_dir_name(step)), s3)
+        if got is not None and (head is None or head.holds(got[0])):
+            steps.append(step)
+    return steps
 
 
 def _parse_manifest(body: bytes) -> dict | None:
