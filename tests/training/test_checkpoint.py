@@ -3,10 +3,13 @@ real feature loader, AdamW + LR schedule, EMA and the loop's own ``train_step``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import boto3
@@ -242,7 +245,7 @@ def test_find_latest_skips_partial_and_corrupt_checkpoints(features, tmp_path):
         fh.truncate(10)
     # step 6: no manifest (as if the manifest write never happened)
     (root / "step-00000006" / MANIFEST).unlink()
-    # step 12: a complete temp dir, killed between manifest and rename
+    # step 12: a temp dir whose manifest is complete but names another step (never finished)
     shutil.copytree(root / "step-00000004", root / ".tmp-step-00000012")
     assert find_latest(root) == root / "step-00000004"
     assert find_latest(root, full=False) == root / "step-00000010"  # the cheap scan trusts sizes
@@ -296,6 +299,106 @@ def test_restore_from_s3_mirror_when_local_is_empty(features, tmp_path, s3_bucke
     run = Run(features, tmp_path / "g", resume=f"{url}/step-{first:08d}")
     assert run.restore() == tmp_path / "g" / f"step-{first:08d}" and run.state.step == first
     run.close()
+
+
+def test_start_finishes_a_commit_whose_manifest_is_complete_and_deletes_incomplete_temp_dirs(features, tmp_path):
+    root = tmp_path / "m"
+    run = Run(features, root, every_steps=2)
+    run.steps(8)  # steps 2, 4, 6, 8
+    run.close()
+    # step 6: killed between the manifest and the rename (every rank's files, the manifest last)
+    os.replace(root / "step-00000006", root / ".tmp-step-00000006")
+    # step 8: the same, but a file is short of its manifest size
+    os.replace(root / "step-00000008", root / ".tmp-step-00000008")
+    with open(root / ".tmp-step-00000008" / "shard-rank-00000.safetensors", "r+b") as fh:
+        fh.truncate(100)
+    shutil.copytree(root / "step-00000004", root / ".tmp-step-00000010")  # killed before the manifest
+    (root / ".tmp-step-00000010" / MANIFEST).unlink()
+    shutil.copytree(root / "step-00000004", root / ".tmp-step-00000012")  # a manifest of another step
+    shutil.copytree(root / "step-00000002", root / ".tmp-fetch-step-00000014")  # an S3 fetch cut short
+    (root / ".tmp-fetch-step-00000014" / MANIFEST).unlink()
+    (root / ".tmp-step-00000016.rank-00001.failed.json").write_text("{}")  # a failure record beside
+    run = Run(features, root, resume="auto")
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]
+    assert run.restore() == root / "step-00000006" and run.state.step == 6
+    run.close()
+
+
+def test_a_commit_interrupted_between_its_renames_loses_neither_copy(features, tmp_path, monkeypatch):
+    """A fresh run (``resume: none``) saves step 2 over the old run's step 2. Its writer stops
+    for good right where it renames the new copy into place (as a process killed there
+    would), and the next start still finds a complete step 2: the new one."""
+    root = tmp_path / "k"
+    old = Run(features, root, every_steps=2)
+    old.steps(2)
+    old.close()
+    frozen, release = threading.Event(), threading.Event()
+    real_replace = os.replace
+
+    def replace(src, dst) -> None:
+        if Path(dst).name == "step-00000002" and threading.current_thread() is not threading.main_thread():
+            frozen.set()
+            release.wait(120)
+            raise OSError("the process died here")  # a killed process never comes back
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    new = Run(features, root, every_steps=2, resume="none")
+    assert new.restore() is None
+    new.steps(2)  # the save of step 2 runs in the background and stops in its commit
+    assert frozen.wait(120)
+    try:
+        restarted = Run(features, root, resume="auto")  # the next start, the old process "dead"
+        step2 = root / "step-00000002"
+        assert verify(step2) is not None, sorted(p.name for p in root.iterdir())
+        assert json.loads((step2 / MANIFEST).read_text())["branch"]["id"] == new.ckpt.branch.id
+        assert not list(root.glob(".tmp-*"))
+        assert restarted.restore() == step2
+        restarted.close()
+    finally:
+        release.set()
+        new.ckpt._job.wait()
+        new.loader.close()
+        new.backend.close()
+
+
+@pytest.mark.parametrize("first", ["failing rank", "rank 0"])
+def test_a_rank_that_cannot_create_the_save_dir_fails_the_commit_within_a_poll(tmp_path, monkeypatch, first):
+    """Rank 1's mkdir of the temp dir fails (before or after rank 0 created it on the shared
+    filesystem). Its failure record is written (inside the temp dir, or beside it when there
+    is none), so rank 0's commit fails at its next poll with rank 1's own error instead of
+    waiting out the timeout; discarding the save removes the record too."""
+    from training.backends.state import Piece
+    from training.checkpoint import sharded
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    tmp = root / ".tmp-step-00000004"
+    staged = sharded.Stager().stage({"model/w": Piece(torch.arange(8.0).reshape(4, 2), 0, 2, 0, (4, 2))})
+    real_mkdir = Path.mkdir
+
+    def rank1(**_) -> None:
+        def mkdir(self, *args, **kw):
+            if self == tmp:
+                raise OSError(errno.EIO, os.strerror(errno.EIO), str(self))
+            return real_mkdir(self, *args, **kw)
+
+        with monkeypatch.context() as m:
+            m.setattr(Path, "mkdir", mkdir)
+            with pytest.raises(OSError, match="Input/output error"):
+                sharded.write_rank(tmp, step=4, rank=1, staged={}, rng={}, train_state=None)
+
+    if first == "failing rank":
+        rank1()
+    sharded.write_rank(tmp, step=4, rank=0, staged=staged, rng={}, train_state={"step": 4})
+    if first == "rank 0":
+        rank1()
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match=rf"^rank 1: Input/output error \({tmp}\)$"):
+        sharded.commit(tmp, root / "step-00000004", step=4, world_size=2, extra={}, timeout_s=30)
+    assert time.monotonic() - t0 < 10  # one poll, not the 30 s timeout
+    sharded.discard(tmp)
+    assert list(root.iterdir()) == []
 
 
 def _mirrored_steps(run: Run, n: int) -> None:
