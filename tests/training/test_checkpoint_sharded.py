@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.backends.state import chunk_rows, local_piece, sharded_state
+from training.backends.state import chunk_rows, local_piece, placement_problem, sharded_state
 from training.checkpoint import FAULT_ENV, MANIFEST, find_latest, map_data_position, step_dir_name
 from training.checkpoint.consolidate import load_full
 from training.checkpoint.sharded import Stager
@@ -141,6 +142,72 @@ def test_ranks_write_disjoint_rows_that_cover_every_tensor():
     sizes = [sum(p.src[p.lo:p.hi].numel() if p.lo is not None else 1 for p in s.pieces.values()) for s in states]
     total = sum(p.numel() for p in model.parameters()) * 3
     assert max(sizes) < total / world + 4 * 16
+
+
+# ----- placements ---------------------------------------------------------------------------
+@pytest.fixture
+def one_rank_group():
+    """A real 1-rank gloo process group (DTensors need one) for this test only."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _placements():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial, _StridedShard
+
+    return Replicate, Shard, Partial, _StridedShard
+
+
+def test_placement_check_takes_shard0_and_replicate_only():
+    Replicate, Shard, Partial, StridedShard = _placements()
+    assert placement_problem((Shard(0),)) is None
+    assert placement_problem((Replicate(), Shard(0))) is None  # HSDP
+    assert placement_problem((Replicate(), Replicate())) is None
+    assert "more than one mesh dim" in placement_problem((Shard(0), Shard(0)))
+    for bad in (Shard(1), Partial(), StridedShard(0, split_factor=2)):
+        assert "is not Shard(0) or Replicate()" in placement_problem((Replicate(), bad)), bad
+
+
+@pytest.mark.parametrize("kind", ["Shard(1)", "_StridedShard", "Partial"])
+def test_a_layout_the_sharded_format_cannot_store_is_refused_at_start_in_one_line(tmp_path, one_rank_group, kind):
+    """A weight laid out as ``kind`` fails at restore, before step 0, in one line naming the
+    parameter, its placement and the fix (it used to fail at the first save, hours in, or
+    with ``_StridedShard`` under torch 2.9, be written with the wrong rows)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from training.backends.gpu import GpuBackend, GpuConfig
+    from training.checkpoint import CheckpointConfig, Checkpointer, TrainState
+
+    Replicate, Shard, Partial, StridedShard = _placements()
+    placement = {"Shard(1)": Shard(1), "_StridedShard": StridedShard(0, split_factor=2), "Partial": Partial()}[kind]
+    mesh = init_device_mesh("cpu", (1,))
+    backend = GpuBackend(GpuConfig(), precision="fp32")
+    backend.init()
+
+    def model_with(weight_placement) -> nn.Module:
+        model = nn.Linear(6, 4)
+        model.weight = nn.Parameter(DTensor.from_local(torch.randn(4, 6), mesh, [weight_placement]))
+        model.bias = nn.Parameter(DTensor.from_local(torch.randn(4), mesh, [Shard(0)]))
+        return model
+
+    ckpt = Checkpointer(CheckpointConfig(dir=str(tmp_path / "c")), backend, output_dir=tmp_path)
+    model = model_with(placement)
+    with pytest.raises(UserError) as err:
+        ckpt.restore(model=model, optimizer=torch.optim.AdamW(model.parameters()), state=TrainState())
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("checkpoint.format: ")
+    assert f"weight: placement {placement!r} is not Shard(0) or Replicate()" in message
+    assert "checkpoint.format=full" in message
+    good = model_with(Shard(0))  # FSDP2's layout passes
+    assert ckpt.restore(model=good, optimizer=torch.optim.AdamW(good.parameters()), state=TrainState()) is None
+    ckpt.close()
 
 
 # ----- data position ------------------------------------------------------------------------
@@ -301,7 +368,7 @@ def test_ddp_checkpoint_reshards_onto_fsdp2_and_hsdp_with_other_world_sizes_and_
     ckpt = src / "checkpoints" / step_dir_name(6)
     want = load_full(ckpt)
     hops = [(3, "fsdp", ckpt, tmp_path / "fsdp3"),
-            # HSDP: 2 replicas x 2 shards; only replica 0 writes (training/backends/state.py local_piece)
+            # HSDP: 2 replicas x 2 shards; the replicas split each shard's rows (state.py local_piece)
             (4, "hsdp", tmp_path / "fsdp3" / step_dir_name(6), tmp_path / "hsdp4"),
             (1, "ddp", tmp_path / "hsdp4" / step_dir_name(6), tmp_path / "one")]
     for nproc, wrap, source, dest in hops:
@@ -318,6 +385,36 @@ def test_ddp_checkpoint_reshards_onto_fsdp2_and_hsdp_with_other_world_sizes_and_
         manifest = json.loads((dest / step_dir_name(6) / MANIFEST).read_text())
         assert manifest["world_size"] == nproc
         _assert_states_equal(load_full(dest / step_dir_name(6)), want)  # what it saved, consolidated
+        if wrap == "hsdp":
+            # Both replicas write: ranks 2 and 3 (replica 1) about half of the bytes, not none.
+            sizes = [_tensor_bytes(dest / step_dir_name(6) / f"shard-rank-{r:05d}.safetensors") for r in range(4)]
+            print("HSDP tensor bytes per rank:", sizes)
+            assert min(sizes) > 0.15 * sum(sizes) and sum(sizes[2:]) > 0.35 * sum(sizes), sizes
+
+
+def _tensor_bytes(shard: Path) -> int:
+    """Bytes of tensor data in a shard file (safetensors: the data after the 8-byte header length
+    and the JSON header)."""
+    import struct
+
+    with open(shard, "rb") as fh:
+        header = struct.unpack("<Q", fh.read(8))[0]
+    return shard.stat().st_size - 8 - header
+
+
+@pytest.mark.slow
+def test_a_rank_failing_to_create_the_save_dir_fails_the_job_in_seconds_with_its_error(features, tmp_path):
+    """torchrun, 2 ranks: rank 1 cannot create the checkpoint's temp dir (ENOSPC at the save of
+    step 4). Its failure record reaches rank 0's commit at the next poll and both ranks exit
+    non-zero with rank 1's error, instead of rank 0 waiting 30 minutes for a done record."""
+    t0 = time.monotonic()
+    done = _torchrun(2, ["-m", "training.gpu", *_train_args(features, tmp_path / "run", "--max-steps", "4")],
+                     **{FAULT_ENV: "4:mkdir:1:enospc"})
+    elapsed = time.monotonic() - t0
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert "failed: rank 1: No space left on device" in done.stderr, done.stderr[-3000:]
+    assert elapsed < 120, elapsed  # training and start-up included; the wait itself is one poll
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))  # discarded, record included
 
 
 def _worker(argv: list[str]) -> None:
