@@ -124,10 +124,12 @@ def test_sigkill_mid_training_and_mid_checkpoint_write_then_resume_is_bit_identi
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     assert (tmp / MANIFEST).exists() and latest_step(out) == resumed_from
 
-    # 4. Resume to the end.
+    # 4. Resume to the end. The temp dir of step 3 holds a complete manifest: the start finishes
+    #    its rename (what the killed commit was about to do) and resumes from it.
     done = run(cmd)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"resumed from {out / 'checkpoints' / step_dir_name(resumed_from)}" in done.stderr
+    assert f"finished the commit of {out / 'checkpoints' / step_dir_name(target)}" in done.stderr
+    assert f"resumed from {out / 'checkpoints' / step_dir_name(target)}" in done.stderr
     got = final_state(out)
     got["train_state"] = got["train_state"].replace(str(out), "<out>")
     assert_bit_identical(got, {**reference, "train_state": _relative(reference["train_state"])})
