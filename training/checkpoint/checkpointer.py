@@ -224,7 +224,8 @@ def resolve_checkpoint(source: str, cache_dir: str | Path | None = None, *, key:
         is_step = _STEP_RE.match(source.rstrip("/").rsplit("/", 1)[-1]) is not None
         found = fetch_checkpoint(source, cache) if is_step else fetch_latest(source, cache)
         if found is None:
-            raise UserError(f"{key}: {source} holds no complete checkpoint (with manifest.json); check the URL")
+            raise UserError(f"{key}: {source} holds no complete checkpoint (with manifest.json) of its live branch "
+                            "(branch.json); check the URL, or give a step-XXXXXXXX URL to resume any one")
         return found
     path = Path(source)
     if (path / MANIFEST).exists():

@@ -420,7 +420,8 @@ def fetch_latest(url: str, local_root: str | Path, s3=None) -> Path | None:
         if got is None:
             continue
         if head is not None and not head.holds(got[0]):
-            log.info("%s: not on the live branch %s (an abandoned trajectory); skipping", src, head.id)
+            log.warning("%s: not on the live branch %s of %s/%s (an abandoned trajectory); skipping", src,
+                        head.id, url.rstrip("/"), HEAD_KEY)
             continue
         found = _download(src, *got, Path(local_root), s3)
         if found is not None:
