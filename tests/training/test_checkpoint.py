@@ -401,6 +401,26 @@ def test_a_rank_that_cannot_create_the_save_dir_fails_the_commit_within_a_poll(t
     assert list(root.iterdir()) == []
 
 
+def test_a_rank_that_fails_while_staging_leaves_its_failure_record(features, tmp_path, monkeypatch):
+    """Out of host memory while copying its rows (on the training thread, before any writer
+    starts): the rank still tells rank 0, whose commit would otherwise wait for it; the next
+    start removes the record."""
+    run = Run(features, tmp_path / "s", every_steps=2)
+    run.steps(1)
+
+    def no_memory(pieces):
+        raise MemoryError("host out of memory")
+
+    monkeypatch.setattr(run.ckpt._stager, "stage", no_memory)
+    with pytest.raises(MemoryError):
+        run.steps(1)
+    record = tmp_path / "s" / ".tmp-step-00000002.rank-00000.failed.json"
+    assert json.loads(record.read_text()) == {"rank": 0, "error": "staging failed: MemoryError: host out of memory"}
+    run.close()
+    Run(features, tmp_path / "s").close()
+    assert not record.exists()
+
+
 def _mirrored_steps(run: Run, n: int) -> None:
     """``n`` steps, each save committed and uploaded before the next (no upload superseded)."""
     for _ in range(n):

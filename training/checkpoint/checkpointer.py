@@ -328,11 +328,17 @@ class Checkpointer:
         them on a thread; rank 0's thread also commits (sharded.py)."""
         backend = self.backend
         rank, world = backend.rank, backend.world_size
-        sharded_state = backend.sharded_state(model, optimizer)
-        pieces = dict(sharded_state.pieces)
-        if ema is not None:
-            pieces.update(ema.pieces(rank, world))
-        staged = self._stager.stage(pieces)
+        final = self.root / step_dir_name(step)
+        tmp = self.root / f"{_TMP_PREFIX}{step:08d}"
+        try:
+            sharded_state = backend.sharded_state(model, optimizer)
+            pieces = dict(sharded_state.pieces)
+            if ema is not None:
+                pieces.update(ema.pieces(rank, world))
+            staged = self._stager.stage(pieces)
+        except Exception as exc:  # e.g. out of host memory on one rank: rank 0 must not wait for it
+            sharded.record_failure(tmp, rank, f"staging failed: {type(exc).__name__}: {exc}")
+            raise
         rng = capture_rng(backend)
         train_state = None
         if backend.is_main:
@@ -342,8 +348,6 @@ class Checkpointer:
                 step, model, state, sched_sd, loader_sd, format=FORMAT_SHARDED, has_ema=ema is not None,
                 optim_values=sharded_state.values, param_groups=sharded_state.param_groups,
                 frozen_from=self.frozen_from)
-        final = self.root / step_dir_name(step)
-        tmp = self.root / f"{_TMP_PREFIX}{step:08d}"
         extra = {"frozen_from": self.frozen_from, "branch": self.branch.to_json()}
         timeout_s = sharded.RANK_TIMEOUT_S
         deadline = time.monotonic() + timeout_s
