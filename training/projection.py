@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from training import flops
+from training.decision import mfu_evidence
 from training.errors import UserError
 
 #: Presets projected by default (the real Sana sizes; "tiny" is for tests only).
@@ -52,17 +53,7 @@ DEFAULT_TEXT_TOKENS = 300
 DEFAULT_GPU = "ml.p5.48xlarge"
 DEFAULT_TRN = "ml.trn1.32xlarge"
 
-#: The "typical" MFU band is an assumption. The nearest published figure is for LLMs, not
-#: diffusion: Llama 3 405B pre-training reached 38-43% BF16 MFU on 8K-16K H100s ("The Llama 3
-#: Herd of Models", arXiv:2407.21783, Table 4). No MFU has been published for Sana training on
-#: either platform, and its linear attention, depthwise 3x3 convolutions and narrow widths are
-#: less matmul-dense than an LLM, so we assume a lower and wider band, the same on both
-#: platforms so that the band itself favours neither.
-TYPICAL_MFU = (0.15, 0.40)
-TYPICAL_SOURCE = ("ASSUMPTION, the same for every platform: no published Sana MFU on H100 or Trainium; "
-                  "for scale, Llama 3 405B reached 38-43% BF16 MFU on H100 (arXiv:2407.21783, Table 4), "
-                  "and Sana is less matmul-dense than an LLM")
-#: chart x range (MFU)
+#: chart x range (MFU); the assumed bands and their evidence: training/decision/mfu_evidence.py
 MFU_AXIS = (0.05, 0.70)
 
 
@@ -76,8 +67,10 @@ class PriceLike(Protocol):
 class Assumptions:
     """Everything the projection assumes rather than measures; printed beside the figures."""
 
-    typical_mfu: tuple[float, float] = TYPICAL_MFU
-    typical_source: str = TYPICAL_SOURCE
+    typical_mfu: tuple[float, float] = mfu_evidence.GPU_BAND  # GPU instance types
+    typical_source: str = dataclasses.field(default_factory=mfu_evidence.gpu_source)
+    typical_mfu_trn: tuple[float, float] = mfu_evidence.TRN_BAND  # Trainium instance types
+    typical_source_trn: str = mfu_evidence.TRN_SOURCE
     #: efficiency kept per doubling of nodes (data-parallel all-reduce over EFA): an assumption
     scaling_per_doubling: float = 0.95
     precision: str = "bf16-mixed"
@@ -89,22 +82,21 @@ class Assumptions:
     price_as_of: str = ""
 
     def __post_init__(self) -> None:
-        lo, hi = self.typical_mfu
-        if not 0 < lo < hi <= 1:
-            raise UserError(f"--mfu-band {lo:g},{hi:g}: give LO,HI with 0 < LO < HI <= 1, e.g. 0.15,0.40")
+        for flag, (lo, hi) in (("--mfu-band-gpu", self.typical_mfu), ("--mfu-band-trn", self.typical_mfu_trn)):
+            if not 0 < lo < hi <= 1:
+                raise UserError(f"{flag} {lo:g},{hi:g}: give LO,HI with 0 < LO < HI <= 1, e.g. 0.15,0.40")
         if not 0 < self.scaling_per_doubling <= 1:
             raise UserError(f"--scaling-per-doubling {self.scaling_per_doubling:g}: must be in (0, 1], e.g. 0.95")
 
-    @property
-    def mid_mfu(self) -> float:
-        return sum(self.typical_mfu) / 2
+    def band(self, backend: str) -> tuple[float, float]:
+        """The assumed MFU band of a platform ("gpu" | "trainium")."""
+        return self.typical_mfu_trn if backend == "trainium" else self.typical_mfu
+
+    def mid(self, backend: str) -> float:
+        return sum(self.band(backend)) / 2
 
     def scaling_efficiency(self, nodes: int) -> float:
         return self.scaling_per_doubling ** math.log2(nodes) if nodes > 1 else 1.0
-
-    def mfu_label(self) -> str:
-        lo, hi = self.typical_mfu
-        return f"MFU {lo:.0%}-{hi:.0%} assumed (mid {self.mid_mfu:.1%})"
 
     def scaling_label(self, nodes: int) -> str:
         if nodes == 1:
@@ -349,7 +341,7 @@ def answer_budget(w: Workload, plats: Sequence[Platform], a: Assumptions, sample
     platform wins; with both: both must hold, cheapest wins."""
     per: list[BudgetAnswer] = []
     for p in plats:
-        mfu = measured.get(p.instance_type, a.mid_mfu)
+        mfu = measured.get(p.instance_type, a.mid(p.backend))
         options = []
         for n in range(1, max_nodes + 1):
             h = hours_to_target(w, p, mfu, samples, n, a)
@@ -361,7 +353,7 @@ def answer_budget(w: Workload, plats: Sequence[Platform], a: Assumptions, sample
         n, h, c = options[0] if budget_hours is not None else options[-1]
         depends = _depends_most_on(w, p, mfu, samples, n, a, measured)
         if p.instance_type not in measured:
-            lo = a.typical_mfu[0]
+            lo = a.band(p.backend)[0]
             h_lo = hours_to_target(w, p, lo, samples, n, a)
             if (budget_hours is not None and h_lo > budget_hours) or (
                     budget_usd is not None and h_lo * n * p.usd_per_hour > budget_usd):
@@ -377,7 +369,7 @@ def answer_budget(w: Workload, plats: Sequence[Platform], a: Assumptions, sample
 def _depends_most_on(w: Workload, p: Platform, mfu: float, samples: float, n: int, a: Assumptions,
                      measured: Mapping[str, float]) -> str:
     if p.instance_type not in measured:
-        lo, hi = a.typical_mfu
+        lo, hi = a.band(p.backend)
         return (f"MFU (assumed {mfu:.1%}; across the band {lo:.0%}-{hi:.0%}: "
                 f"{hours_to_target(w, p, hi, samples, n, a):,.1f}-{hours_to_target(w, p, lo, samples, n, a):,.1f} h, "
                 f"${cost_to_target(w, p, hi, samples, n, a):,.0f}-${cost_to_target(w, p, lo, samples, n, a):,.0f})")
@@ -401,8 +393,10 @@ def make_chart(path: Path, w: Workload, plats: Sequence[Platform], a: Assumption
 
     fig, ax = plt.subplots(figsize=(px[0] / dpi, px[1] / dpi), dpi=dpi)
     xs = [MFU_AXIS[0] + i * (MFU_AXIS[1] - MFU_AXIS[0]) / 200 for i in range(201)]
-    lo, hi = a.typical_mfu
-    ax.axvspan(lo, hi, color="0.88", zorder=0, label=f"typical MFU {lo:.0%}-{hi:.0%} (assumption)")
+    for which, (lo, hi) in ({"GPU": a.typical_mfu, "Trainium": a.typical_mfu_trn} if a.typical_mfu != a.typical_mfu_trn
+                            else {"every platform": a.typical_mfu}).items():
+        ax.axvspan(lo, hi, color="0.88" if which != "Trainium" else "none", hatch="//" if which == "Trainium" else None,
+                   ec="0.7", lw=0, zorder=0, label=f"assumed MFU band, {which}: {lo:.0%}-{hi:.0%}")
     colours = {}
     for p in plats:
         style = "-" if p.backend == "gpu" else "--"
@@ -440,8 +434,8 @@ def make_chart(path: Path, w: Workload, plats: Sequence[Platform], a: Assumption
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper right")
-    foot = (f"On-demand list prices as of {a.price_as_of}. Shaded band: assumed typical MFU (no published Sana "
-            "MFU); solid = GPU, dashed = Trainium.")
+    foot = (f"Prices: {a.price_as_of}. Shaded: assumed MFU band (evidence: training/decision/mfu_evidence.py; "
+            "hatched: Trainium); solid = GPU, dashed = Trainium.")
     if cpu_labels:
         foot += f" CPU runs not placed (no accelerator peak): {', '.join(cpu_labels)}."
     fig.text(0.5, 0.01, foot, ha="center", fontsize=7, color="firebrick" if cpu_labels else "0.3", wrap=True)
@@ -473,7 +467,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
-def _pair(plats: Sequence[Platform], q: Question) -> tuple[Platform | None, Platform | None]:
+def pair(plats: Sequence[Platform], q: Question) -> tuple[Platform | None, Platform | None]:
+    """The GPU and Trainium platforms of the break-even headline (--gpu-instance / --trn-instance)."""
     by = {p.instance_type: p for p in plats}
     gpu = by.get(q.gpu) or next((p for p in plats if p.backend == "gpu"), None)
     trn = by.get(q.trn) or next((p for p in plats if p.backend == "trainium"), None)
@@ -487,53 +482,59 @@ def section(runs: Sequence[RunLike], prices: Mapping[str, PriceLike], a: Assumpt
     if not plats:
         return ["## Projection", "", "No instance type in the price table has a known accelerator layout "
                 "(training/flops.py INSTANCE_TYPES), so nothing can be projected."]
-    gpu, trn = _pair(plats, q)
+    gpu, trn = pair(plats, q)
     unverified = sorted(p.short for p in plats if not p.price_verified)
-    lo, hi = a.typical_mfu
-    mid = a.mid_mfu
+    w = chart_workload(runs, a, q.presets[0])
+    points, other = measured_points(runs, w)
+    best = best_measured(points)
+    measured_list = ", ".join(f"{k.removeprefix('ml.')} ({v.mfu:.1%}, `{v.path.name}`)" for k, v in best.items())
+    bands = ([("MFU", a.typical_mfu, a.typical_source)] if a.typical_mfu == a.typical_mfu_trn else
+             [("MFU, GPU", a.typical_mfu, a.typical_source), ("MFU, Trainium", a.typical_mfu_trn, a.typical_source_trn)])
     lines = ["## Projection: cost and time as a function of MFU", "",
              "Computed from the FLOP model (`training/flops.py`), each accelerator's dense peak (datasheet cited "
              "there) and the price table, before any accelerator has been measured. **Assumptions** (each "
              "figure below names the ones it uses):", "",
-             f"- **MFU** {lo:.0%}-{hi:.0%}, mid {mid:.1%}: {a.typical_source}.",
+             *(f"- **{name}** {lo:.0%}-{hi:.0%}, mid {(lo + hi) / 2:.1%}: {src}." for name, (lo, hi), src in bands),
+             *([f"- **Measured MFU replaces the band** for {measured_list} in the {w.name} rows, the break-even "
+                "diamond, the verdict and the budget."] if best else []),
              f"- **Scaling efficiency** {a.scaling_per_doubling:.0%} kept per doubling of nodes (assumed; "
              f"{a.scaling_efficiency(2):.0%} at 2, {a.scaling_efficiency(4):.1%} at 4, "
              f"{a.scaling_efficiency(8):.1%} at 8 nodes) until runs at several node counts are measured.",
-             f"- **Prices** on-demand list prices as of {a.price_as_of}"
-             + (f", unverified: {', '.join(unverified)}" if unverified else "") + ".",
+             f"- **Prices** on-demand, {a.price_as_of}"
+             + (f", unverified: {', '.join(unverified)}" if unverified else "") + " (sources: section Prices).",
              f"- **Captions** padded to {a.text_tokens} tokens; real tokens: {a.real_tokens_source}.",
              f"- **Precision** `{a.precision}` (peaks for it).", ""]
     rows = []
     for preset in q.presets:
-        w = workload(preset, a)
+        wp = workload(preset, a)
         for p in plats:
-            sps = [samples_per_s_per_instance(w, p, m) for m in (lo, mid, hi)]
-            cost = [cost_per_million(w, p, m) for m in (lo, mid, hi)]
-            h = hours_to_target(w, p, mid, q.samples, q.nodes, a)
-            rows.append([preset, p.short, f"{w.flops_per_sample / 1e12:.3g}", f"{w.padding_share:.0%}",
-                         " / ".join(f"{s:,.0f}" for s in sps), " / ".join(f"${c:,.2f}" for c in cost),
+            lo, hi = a.band(p.backend)
+            m = best[p.instance_type].mfu if p.instance_type in best and w.name == preset else None
+            mfus = (m,) if m is not None else (lo, (lo + hi) / 2, hi)
+            h = hours_to_target(wp, p, mfus[len(mfus) // 2], q.samples, q.nodes, a)
+            rows.append([preset, p.short, f"{wp.flops_per_sample / 1e12:.3g}", f"{wp.padding_share:.0%}",
+                         f"measured {m:.1%}" if m is not None else f"{lo:.0%}-{hi:.0%}",
+                         " / ".join(f"{samples_per_s_per_instance(wp, p, x):,.0f}" for x in mfus),
+                         " / ".join(f"${cost_per_million(wp, p, x):,.2f}" for x in mfus),
                          f"{duration(h)}, {usd(h * q.nodes * p.usd_per_hour)}",
-                         f"MFU assumed; {a.scaling_label(q.nodes)}; price {p.price_checked}"
-                         + ("" if p.price_verified else " unverified")])
+                         f"MFU {'measured' if m is not None else 'assumed'}; {a.scaling_label(q.nodes)}; price "
+                         f"{p.price_checked or 'undated'}" + ("" if p.price_verified else " unverified")])
     lines += [f"Target: {q.target} on {q.nodes} node{'s' if q.nodes != 1 else ''}.", "",
-              _table(["preset", "instance", "TFLOP/sample", "padding", f"samples/s per instance at MFU "
-                      f"{lo:.0%} / {mid:.1%} / {hi:.0%}", f"USD per 1M samples at {lo:.0%} / {mid:.1%} / {hi:.0%}",
-                      f"target at MFU {mid:.1%}", "assumes"], rows), ""]
+              _table(["preset", "instance", "TFLOP/sample", "padding", "MFU band", "samples/s per instance at "
+                      "band low / mid / high", "USD per 1M samples at low / mid / high", "target at mid MFU",
+                      "assumes"], rows), ""]
 
-    w = chart_workload(runs, a, q.presets[0])
-    points, other = measured_points(runs, w)
-    best = best_measured(points)
     if gpu is not None and trn is not None:
         lines += _break_even_lines(plats, gpu, trn, a, q)
-    ref_gpu = best[gpu.instance_type].mfu if gpu is not None and gpu.instance_type in best else mid
+    ref_gpu = best[gpu.instance_type].mfu if gpu is not None and gpu.instance_type in best else a.mid("gpu")
     make_chart(out / "projection.png", w, plats, a, points, [r.label for r in other], gpu=gpu, trn=trn,
                ref_gpu_mfu=ref_gpu, px=px, dpi=dpi)
     lines += ["", "![projection](projection.png)", "",
-              f"The chart draws {w.name} ({w.flops_per_sample / 1e12:.3g} TFLOP per sample); the shaded band is "
-              f"the assumed typical MFU; the diamond is where {trn.short if trn else 'Trainium'} matches "
+              f"The chart draws {w.name} ({w.flops_per_sample / 1e12:.3g} TFLOP per sample); the shaded bands are "
+              f"the assumed MFU; the diamond is where {trn.short if trn else 'Trainium'} matches "
               f"{gpu.short if gpu else 'the GPU'}'s cost at "
               + (f"its measured {ref_gpu:.1%} MFU." if gpu and gpu.instance_type in best
-                 else f"the band's mid {ref_gpu:.1%} (assumed).")]
+                 else f"its band's mid {ref_gpu:.1%} (assumed).")]
     lines += ["", "### Measured runs on the projection", "", *_measured_lines(points, other, best, gpu, trn, a)]
     measured = {k: v.mfu for k, v in best.items()}
     lines += ["", "### Budget", "", *_budget_lines(w, plats, a, q, measured)]
@@ -550,24 +551,23 @@ def _break_even_lines(plats: Sequence[Platform], gpu: Platform, trn: Platform, a
              f"**{r:.2f}x** the GPU's (= (USD/h / peak FLOP/s) of {trn.short}, ${trn.usd_per_hour:,.2f} / "
              f"{trn.instance_peak_flops / 1e15:.2f} PFLOP/s, over that of {gpu.short}, ${gpu.usd_per_hour:,.2f} / "
              f"{gpu.instance_peak_flops / 1e15:.2f} PFLOP/s). Above that ratio Trainium is cheaper per sample, "
-             f"below it the GPU; e.g. at {a.mid_mfu:.1%} GPU MFU Trainium must reach {r * a.mid_mfu:.1%}. "
-             f"The ratio depends only on prices and peaks (prices {gpu.price_checked}/{trn.price_checked}"
+             f"below it the GPU; e.g. at {a.mid('gpu'):.1%} GPU MFU Trainium must reach {r * a.mid('gpu'):.1%}. "
+             f"The ratio depends only on prices and peaks (prices {gpu.price_checked or 'undated'}/"
+             f"{trn.price_checked or 'undated'}"
              + ("" if gpu.price_verified and trn.price_verified else ", unverified") + "), not on the preset.",
              "",
              f"**Time to target:** on the same node count {trn.short} needs **{t1:.2f}x** the GPU's MFU to finish "
              f"as fast; at equal MFU it takes about {math.ceil(match - 1e-9)} {trn.short} nodes per {gpu.short} "
-             f"node (more with the assumed scaling loss).", "",
-             f"**Sensitivity:** the ratio is proportional to the price ratio and to nothing else here: "
-             f"{trn.short} 30% cheaper (e.g. a Savings Plan or reserved capacity on that side only) moves it to "
-             f"{0.7 * r:.2f}, {gpu.short} 30% cheaper to {r / 0.7:.2f}; a peak the chip does not reach "
-             f"shows up as a lower MFU, not here.", ""]
+             f"node (more with the assumed scaling loss). The ratio moves in proportion to the price ratio and "
+             "to nothing else here: section Price scenarios shows it under a plan discount and your own prices.", ""]
     rows = []
     for g in (p for p in plats if p.backend == "gpu"):
         for t in (p for p in plats if p.backend == "trainium"):
             n = q.nodes
             rows.append([g.short, t.short, f"{break_even_cost_ratio(g, t):.2f}",
                          f"{break_even_time_ratio(g, t, n, n, a):.2f}",
-                         f"price {g.price_checked}/{t.price_checked}; {a.scaling_label(n)} both"])
+                         f"price {g.price_checked or 'undated'}/{t.price_checked or 'undated'}; "
+                         f"{a.scaling_label(n)} both"])
     lines.append(_table(["GPU", "Trainium", "MFU ratio trn/gpu for equal cost per sample",
                          f"MFU ratio for equal time on {q.nodes} node{'s' if q.nodes != 1 else ''} each",
                          "assumes"], rows))
@@ -578,7 +578,7 @@ def verdict(runs: Sequence[RunLike], prices: Mapping[str, PriceLike], a: Assumpt
     """The break-even sentence for the recommendation paragraph, or None while no accelerator
     run of the headline pair is measured (CPU runs never count)."""
     plats = platforms(prices, a.precision)
-    gpu, trn = _pair(plats, q)
+    gpu, trn = pair(plats, q)
     if gpu is None or trn is None:
         return None
     points, other = measured_points(runs, chart_workload(runs, a, q.presets[0]))
@@ -616,7 +616,7 @@ def _measured_lines(points: Sequence[MeasuredPoint], other: Sequence[RunLike], b
                      f"{trn.price_checked}/{gpu.price_checked}).")
     elif g:
         need = r * g.mfu
-        where = "inside" if a.typical_mfu[0] <= need <= a.typical_mfu[1] else "outside"
+        where = "inside" if a.typical_mfu_trn[0] <= need <= a.typical_mfu_trn[1] else "outside"
         lines.append(f"Measured {gpu.short} at {g.mfu:.1%} MFU: {trn.short} is cheaper per sample only if it reaches "
                      f"{need:.1%} MFU ({where} the assumed band); bench {trn.short} to settle it.")
     elif t:

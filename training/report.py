@@ -36,79 +36,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from training import flops, projection
 from training.bench_result import COMPARABLE_FIELDS, BenchResult
+from training.decision import assemble
+from training.decision.prices import DEFAULT_PRICES, Price, PriceTable
 from training.errors import UserError, exits_cleanly
 from training.projection import duration
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PRICES = Path(__file__).with_name("prices.yaml")
+__all__ = ["DEFAULT_PRICES", "Price", "PriceTable", "build", "main"]  # Price, PriceTable: training/decision/prices.py
 #: chart size in pixels (width, height): figsize x dpi, no tight bbox, so tests can check it
 CHART_PX = (960, 540)
 _DPI = 100
-
-
-# ----- prices ----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Price:
-    instance_type: str
-    usd_per_hour: float
-    source: str
-    checked: str
-    verified: bool
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PriceTable:
-    path: Path
-    as_of: str
-    currency: str
-    region: str
-    prices: dict[str, Price]
-
-    @classmethod
-    def load(cls, path: str | Path) -> PriceTable:
-        """Read and validate a prices file; UserError naming the file and the key."""
-        path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text())
-        except OSError as exc:
-            raise UserError(f"--prices {path}: cannot read ({exc.strerror})") from None
-        except yaml.YAMLError as exc:
-            raise UserError(f"--prices {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
-        if not isinstance(data, dict) or not isinstance(data.get("prices"), dict):
-            raise UserError(f"--prices {path}: needs a 'prices' mapping of instance type -> "
-                            "{usd_per_hour, source, checked, verified}")
-        for key in ("as_of", "currency", "region"):
-            if not isinstance(data.get(key), str) or not data[key]:
-                raise UserError(f"--prices {path}: key {key}: missing or not a string")
-        prices = {}
-        for name, entry in data["prices"].items():
-            where = f"--prices {path}: key prices.{name}"
-            if not isinstance(entry, dict):
-                raise UserError(f"{where}: expected a mapping with usd_per_hour, source, checked, verified")
-            usd = entry.get("usd_per_hour")
-            if isinstance(usd, bool) or not isinstance(usd, int | float) or not usd > 0:
-                raise UserError(f"{where}.usd_per_hour: must be a number > 0, got {usd!r}")
-            for key in ("source", "checked"):
-                if not isinstance(entry.get(key), str) or not entry[key]:
-                    raise UserError(f"{where}.{key}: missing; say where the price comes from and when")
-            if not isinstance(entry.get("verified"), bool):
-                raise UserError(f"{where}.verified: must be true or false")
-            prices[str(name)] = Price(instance_type=str(name), usd_per_hour=float(usd), source=entry["source"],
-                                      checked=str(entry["checked"]), verified=entry["verified"])
-        return cls(path=path, as_of=str(data["as_of"]), currency=data["currency"], region=data["region"],
-                   prices=prices)
-
-    def get(self, instance_type: str) -> Price:
-        try:
-            return self.prices[instance_type]
-        except KeyError:
-            raise UserError(f"no price for instance type {instance_type} in {self.path}; add "
-                            f"prices.{instance_type}.usd_per_hour there or pass --prices FILE") from None
 
 
 # ----- the numbers -------------------------------------------------------------------------
@@ -170,6 +109,7 @@ class Options:
     project_only: bool = False  # --project without result files
     assumptions: projection.Assumptions | None = None  # None: the defaults
     question: projection.Question | None = None  # None: the defaults + this target
+    decision: assemble.DecisionOptions = dataclasses.field(default_factory=assemble.DecisionOptions)
 
 
 def check_comparable(runs: Sequence[Run], allow: bool) -> list[str]:
@@ -393,17 +333,19 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def render_projection_only(prices: PriceTable, projection_lines: Sequence[str]) -> str:
+def render_projection_only(prices: PriceTable, projection_lines: Sequence[str], extra: assemble.Sections) -> str:
     out = ["# Sana training: projected GPU vs Trainium cost-performance (no runs measured)", "",
            f"Generated {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')} by "
            f"`python -m training.report --project` with prices `{prices.path}` ({prices.region}, as of "
            f"{prices.as_of}). Every figure is a projection from assumptions named beside it; bench both "
-           "platforms (runbooks/compare.md) and re-run with the result files to place measured runs on it.", ""]
-    return "\n".join([*out, *projection_lines, ""])
+           "platforms (runbooks/compare.md) and re-run with the result files to place measured runs on it.", "",
+           *(line for w in extra.warnings for line in (w, "")), extra.quality, ""]
+    return "\n".join([*out, *projection_lines, *extra.after_projection, "", *extra.prices, ""])
 
 
 def render(runs: Sequence[Run], prices: PriceTable, opts: Options, charts: dict[str, Path],
-           warnings: Sequence[str], projection_lines: Sequence[str] = (), verdict: str | None = None) -> str:
+           warnings: Sequence[str], projection_lines: Sequence[str], verdict: str | None,
+           extra: assemble.Sections) -> str:
     cpu = any(r.result.is_cpu for r in runs)
     first = runs[0].result
     samples, what = target_samples(opts)
@@ -426,10 +368,10 @@ def render(runs: Sequence[Run], prices: PriceTable, opts: Options, charts: dict[
     if warnings:
         out += ["", "**Mismatched runs compared (--allow-mismatch):**", ""] + [f"- {w}" for w in warnings]
 
+    out += [line for w in extra.warnings for line in ("", w)]
     out += ["", "## Recommendation", "", recommendation(runs, opts) + (f" Against the projection: {verdict}"
-                                                                       if verdict else "")]
-    if projection_lines:
-        out += ["", *projection_lines]
+                                                                       if verdict else "") + f" {extra.quality}"]
+    out += ["", *extra.prices, "", *projection_lines, *extra.after_projection]
 
     out += ["", "## Runs", "", _table(
         ["run", "nodes x accel/node", "global batch (per device)", "steps timed (warm-up)", "step p50 / p90 s",
@@ -446,7 +388,7 @@ def render(runs: Sequence[Run], prices: PriceTable, opts: Options, charts: dict[
 
     out += ["", "## Cost", "", _table(
         ["run", "USD/h per instance", "price checked", "cost per million samples"],
-        [[r.label, f"${r.price.usd_per_hour:,.3f}", r.price.checked + ("" if r.price.verified else " (unverified)"),
+        [[r.label, f"${r.price.usd_per_hour:,.3f}", r.price.date_label() + ("" if r.price.verified else " (unverified)"),
           f"${r.cost_per_million:,.2f}"] for r in runs]), "", "![cost](cost.png)"]
 
     out += ["", "## Time and cost to target", "", f"Target: {what}.", "", _table(
@@ -563,28 +505,29 @@ def projection_prices(prices: PriceTable) -> tuple[PriceTable, str]:
                      f"`{shipped.path}` (list prices as of {shipped.as_of}).")
 
 
-def build(result_paths: Sequence[str | Path], out: str | Path, *, prices_path: str | Path = DEFAULT_PRICES,
+def build(result_paths: Sequence[str | Path], out: str | Path, *, prices_path: str | Path | None = None,
           opts: Options | None = None) -> Path:
-    """Load, check, compute, draw and write ``out/report.md``; returns its path."""
+    """Load, check, compute, draw and write ``out/report.md``; returns its path. ``prices_path``
+    (one source) overrides ``opts.decision.prices``."""
     opts = opts or Options()
+    if prices_path is not None:
+        opts.decision = dataclasses.replace(opts.decision, prices=[str(prices_path)])
     if not result_paths and not opts.project_only:
         raise UserError("report: give at least one bench result JSON, or --project for the projection alone")
-    prices = PriceTable.load(prices_path)
-    runs = []
-    for p in result_paths:
-        result = BenchResult.load(p)
-        runs.append(Run(path=Path(p), result=result, price=prices.get(result.instance_type)))
+    results = [(Path(p), BenchResult.load(p)) for p in result_paths]
+    question = opts.question or projection.Question()
+    prices, notes = assemble.resolve_prices(opts.decision, {r.instance_type for _, r in results} | {question.gpu,
+                                                                                                   question.trn})
+    runs = [Run(path=p, result=r, price=prices.get(r.instance_type)) for p, r in results]
     warnings = check_comparable(runs, opts.allow_mismatch) if runs else []
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     accel = [r for r in runs if not r.result.is_cpu]  # CPU runs never set the projection's precision
-    assumptions = dataclasses.replace(opts.assumptions or projection.Assumptions(), price_as_of=prices.as_of,
-                                      **({"precision": accel[0].result.precision} if accel else {}))
     samples, what = target_samples(opts)
-    question = dataclasses.replace(opts.question or projection.Question(), samples=samples, target=what)
+    question = dataclasses.replace(question, samples=samples, target=what)
     proj_prices, note = projection_prices(prices)
-    if proj_prices is not prices:
-        assumptions = dataclasses.replace(assumptions, price_as_of=proj_prices.as_of)
+    assumptions = dataclasses.replace(opts.assumptions or projection.Assumptions(), price_as_of=(
+        f"`{proj_prices.path}`, {proj_prices.as_of}"), **({"precision": accel[0].result.precision} if accel else {}))
     for flag, name, default in (("--gpu-instance", question.gpu, projection.DEFAULT_GPU),
                                 ("--trn-instance", question.trn, projection.DEFAULT_TRN)):
         if name != default and name not in proj_prices.prices:
@@ -593,13 +536,16 @@ def build(result_paths: Sequence[str | Path], out: str | Path, *, prices_path: s
     lines = projection.section(runs, proj_prices.prices, assumptions, question, out, px=CHART_PX, dpi=_DPI)
     if note:
         lines[1:1] = ["", note]
+    extra = assemble.sections(opts.decision, table=prices, proj_table=proj_prices, notes=notes,
+                              run_types={r.result.instance_type for r in runs}, runs=runs, a=assumptions, q=question,
+                              out=out, px=CHART_PX, dpi=_DPI)
     report = out / "report.md"
     if not runs:
-        report.write_text(render_projection_only(prices, lines))
+        report.write_text(render_projection_only(prices, lines, extra))
         return report
     charts = make_charts(runs, out)
     verdict = projection.verdict(runs, proj_prices.prices, assumptions, question)
-    report.write_text(render(runs, prices, opts, charts, warnings, lines, verdict))
+    report.write_text(render(runs, prices, opts, charts, warnings, lines, verdict, extra))
     return report
 
 
@@ -607,7 +553,6 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m training.report", description=__doc__.split("\n")[0])
     p.add_argument("results", nargs="*", metavar="RESULT.json", help="bench results (python -m training.bench)")
     p.add_argument("--out", required=True, help="output directory (report.md + PNG charts)")
-    p.add_argument("--prices", default=str(DEFAULT_PRICES), help="prices YAML (default training/prices.yaml)")
     p.add_argument("--dataset-samples", type=int, help="dataset size for time/cost to target")
     p.add_argument("--epochs", type=float, default=1.0, help="epochs for time/cost to target (default 1)")
     p.add_argument("--allow-mismatch", action="store_true",
@@ -620,8 +565,8 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("projection (every report has it; --project alone needs no result files)")
     g.add_argument("--project", action="store_true", help="write the projection even without result files")
     g.add_argument("--preset", action="append", help=f"preset to project (repeat; default {', '.join(projection.DEFAULT_PRESETS)})")
-    g.add_argument("--mfu-band", default=",".join(f"{v:g}" for v in projection.TYPICAL_MFU),
-                   help="assumed typical MFU LO,HI (default %(default)s)")
+    g.add_argument("--mfu-band", metavar="LO,HI", help="assumed MFU band for every platform (default: per "
+                   "platform, --mfu-band-gpu / --mfu-band-trn)")
     g.add_argument("--scaling-per-doubling", type=float, default=0.95,
                    help="assumed scaling efficiency kept per doubling of nodes (default %(default)s)")
     g.add_argument("--real-text-tokens", type=float,
@@ -632,6 +577,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-nodes", type=int, default=16, help="most nodes a budget answer may use (default 16)")
     g.add_argument("--gpu-instance", default=projection.DEFAULT_GPU, help="GPU side of the break-even headline")
     g.add_argument("--trn-instance", default=projection.DEFAULT_TRN, help="Trainium side of the break-even headline")
+    assemble.add_arguments(p)
     return p
 
 
@@ -639,10 +585,6 @@ def projection_inputs(args: argparse.Namespace) -> tuple[projection.Assumptions,
     """The projection's assumptions and question from the command line; UserError naming the flag."""
     from training.model import PRESETS
 
-    try:
-        lo, hi = (float(v) for v in args.mfu_band.split(","))
-    except ValueError:
-        raise UserError(f"--mfu-band {args.mfu_band}: give LO,HI as fractions, e.g. 0.15,0.40") from None
     for preset in args.preset or ():
         if preset not in PRESETS:
             raise UserError(f"--preset {preset}: unknown; choose from {', '.join(sorted(PRESETS))}")
@@ -662,7 +604,7 @@ def projection_inputs(args: argparse.Namespace) -> tuple[projection.Assumptions,
             source = (f"not applied: {args.features_index} pads captions to {padded} tokens (mean {mean:.1f} real), "
                       f"not the presets' {projection.DEFAULT_TEXT_TOKENS}; every padded token counted")
     assumptions = projection.Assumptions(
-        typical_mfu=(lo, hi), scaling_per_doubling=args.scaling_per_doubling, real_text_tokens=real,
+        **assemble.mfu_bands(args), scaling_per_doubling=args.scaling_per_doubling, real_text_tokens=real,
         **({"real_tokens_source": source} if real is not None or args.features_index else {}))
     question = projection.Question(presets=tuple(args.preset or projection.DEFAULT_PRESETS), nodes=args.nodes,
                                    budget_usd=args.budget_usd, budget_hours=args.budget_hours,
@@ -681,7 +623,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise UserError("report: give at least one bench result JSON, or --project for the projection alone")
     assumptions, question = projection_inputs(args)
     opts = Options(dataset_samples=args.dataset_samples, epochs=args.epochs, allow_mismatch=args.allow_mismatch,
-                   project_only=args.project, assumptions=assumptions, question=question)
+                   project_only=args.project, assumptions=assumptions, question=question,
+                   decision=assemble.options(args))
     if args.features_index:
         opts.bytes_per_sample = bytes_per_sample_from_index(args.features_index)
         opts.features_index = args.features_index
@@ -695,7 +638,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                            f"{args.fsx_throughput_per_tib:g} MB/s/TiB")
     elif (found := fsx_from_cdk(Path(args.cdk_json))) is not None:
         opts.fsx_mbps, opts.fsx_source = found
-    report = build(args.results, args.out, prices_path=args.prices, opts=opts)
+    report = build(args.results, args.out, opts=opts)
     print(f"report: {report} (charts in {report.parent})", flush=True)
 
 

@@ -44,7 +44,7 @@ def _plats(prices: Path) -> dict[str, projection.Platform]:
     ("ml.trn1.32xlarge", 25.0, 32 * 95e12),  # 16 Trainium chips = 32 NeuronCore-v2 x 95 TFLOP/s
 ])
 def test_projection_matches_hand_computation(tmp_path, prices, preset, hw, instance, usd, peak_per_instance):
-    a = projection.Assumptions(typical_mfu=(0.2, 0.4), scaling_per_doubling=0.9)
+    a = projection.Assumptions(typical_mfu=(0.2, 0.4), typical_mfu_trn=(0.2, 0.4), scaling_per_doubling=0.9)
     w = projection.workload(preset, a)
     f = flops.train_flops_per_sample(PRESETS[preset], 300, hw)
     assert (w.latent_hw, w.text_tokens, w.flops_per_sample) == (hw, 300, f)
@@ -267,7 +267,7 @@ def test_report_reads_real_tokens_only_when_the_lengths_match(tmp_path, prices):
 # ----- budget questions ------------------------------------------------------------------------------
 
 def test_budget_hours_picks_the_cheapest_platform_on_the_fewest_nodes(prices):
-    a = projection.Assumptions(typical_mfu=(0.2, 0.4), scaling_per_doubling=0.9)
+    a = projection.Assumptions(typical_mfu=(0.2, 0.4), typical_mfu_trn=(0.2, 0.4), scaling_per_doubling=0.9)
     w = projection.workload("sana-600m-512", a)
     plats = list(_plats(prices).values())
     samples = 1e9
