@@ -475,7 +475,7 @@ DEMO_LOCAL_USD_PER_HOUR = 1.0
 
 
 def run_demo_comparison(out_dir: str | Path, *, features: str | Path, dataset_samples: int | None = None,
-                        epochs: float = 10.0, steps: int = 10) -> dict[str, Path]:
+                        epochs: float = 10.0, steps: int = 10, report_args: Sequence[str] = ()) -> dict[str, Path]:
     """Bench the GPU backend (this process, CPU) and the Trainium backend (torch-xla on PJRT CPU
     in ``.venv-xla``, when that exists) on the tiny preset and ``features``, then write the
     comparison report. Everything is labelled CPU figures. Returns {what: path} for the demo.
@@ -484,6 +484,7 @@ def run_demo_comparison(out_dir: str | Path, *, features: str | Path, dataset_sa
         out_dir: where the result JSONs, the demo price file and ``report/`` go.
         features: feature directory shaped for the tiny preset (the demo's precompute output).
         dataset_samples / epochs: target for the time/cost section (default: the features' size).
+        report_args: more ``python -m training.report`` arguments (the demo's price and parity inputs).
     """
     import subprocess
 
@@ -528,7 +529,8 @@ prices:
 """)
     samples = dataset_samples or FeatureIndex.load(features).num_samples
     report_main([*map(str, results), "--out", str(out / "report"), "--prices", str(prices),
-                 "--dataset-samples", str(samples), "--epochs", f"{epochs:g}", "--features-index", str(features)])
+                 "--dataset-samples", str(samples), "--epochs", f"{epochs:g}", "--features-index", str(features),
+                 *report_args])
     where["comparison report (CPU figures)"] = out / "report" / "report.md"
     return where
 

@@ -4,8 +4,11 @@ Synthetic image+caption pairs of three aspect ratios -> precompute into NVlabs S
 aspect-ratio buckets (the 512 table scaled to the tiny VAE) with tiny random DC-AE / Gemma-2 /
 tokenizer (Sana's complex human instruction, plus the validation prompts) -> train the ``tiny`` preset
 (checkpoint every 50 steps, a validation grid every 100) -> stop at step 150 and resume to
-300 -> export a diffusers directory -> sample one image with ``SanaPipeline`` under the
-recorded text conditioning -> print where everything went.
+300 -> train the same recipe and seed on the Trainium backend (torch-xla's CPU device, when
+``.venv-xla`` exists) -> export a diffusers directory -> sample one image with ``SanaPipeline``
+under the recorded text conditioning -> bench both backends and write the comparison report
+(prices from the AWS Price List API when it answers, else the shipped table; the two training
+runs' loss curves and grids side by side) -> print where everything went.
 
 The run is a list of steps (``STEPS``); each takes the shared ``Demo`` and records what it
 made in ``demo.where``. To extend the demo (bench, report), append a step.
@@ -22,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from training.errors import exits_cleanly
+from training.errors import UserError, exits_cleanly
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "training" / "configs" / "tiny-cpu.yaml"
@@ -90,7 +93,7 @@ def precompute(demo: Demo) -> None:
         f"{name}: {b['samples']} x {'x'.join(map(str, b['latent_shape']))}" for name, b in index["buckets"].items())
 
 
-def _train_args(demo: Demo, max_steps: int) -> list[str]:
+def _train_args(demo: Demo, max_steps: int, run: str = "run") -> list[str]:
     return ["--config", str(TINY_CONFIG), "--set", f"data.path={demo.path('features')}",
             "--set", f"checkpoint.every_steps={demo.checkpoint_every}", "--set", "checkpoint.keep_last=3",
             "--set", "ema.decay=0.99", "--set", "log_every=25",
@@ -98,7 +101,7 @@ def _train_args(demo: Demo, max_steps: int) -> list[str]:
             # constant LR: part 1 stops early by a smaller --max-steps, which would otherwise
             # change the cosine horizon (a preempted job keeps its max_steps)
             "--set", "optim.schedule=constant",
-            "--max-steps", str(max_steps), "--output-dir", str(demo.path("run"))]
+            "--max-steps", str(max_steps), "--output-dir", str(demo.path(run))]
 
 
 def train_first_part(demo: Demo) -> None:
@@ -129,6 +132,27 @@ def train_resumed(demo: Demo) -> None:
     demo.where["validation grids"] = f"{len(grids)} in {demo.path('run') / 'validation'} (and TensorBoard)"
     demo.where["last validation grid (noise-like: tiny VAE)"] = grids[-1]
     print(f"    validation grid: {grids[-1]} (prompts: {grids[-1].parent / 'prompts.txt'})", flush=True)
+
+
+def train_trainium(demo: Demo) -> None:
+    """The same recipe and seed on the Trainium backend (torch-xla, CPU device): the parity run."""
+    import os
+    import subprocess
+
+    xla_python = REPO / ".venv-xla" / "bin" / "python"
+    if not xla_python.exists():
+        print("    .venv-xla not found (make setup-xla): no Trainium run, so the report's parity stays unproven",
+              flush=True)
+        return
+    started = time.perf_counter()
+    proc = subprocess.run([str(xla_python), "-m", "training.trainium", *_train_args(demo, demo.steps, "run-trn"),
+                           "--resume", "none"], env={**os.environ, "PJRT_DEVICE": "CPU"}, cwd=REPO, text=True,
+                          capture_output=True)
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise UserError(f"demo step train_trainium: python -m training.trainium (.venv-xla) failed: {tail}")
+    demo.where["Trainium-backend run (XLA CPU, same seed)"] = demo.path("run-trn")
+    demo.where["train seconds (Trainium backend)"] = round(time.perf_counter() - started, 1)
 
 
 def export(demo: Demo) -> None:
@@ -170,7 +194,12 @@ def compare(demo: Demo) -> None:
     """Bench both backends on this CPU and write the GPU-vs-Trainium report (CPU figures)."""
     from training.bench import run_demo_comparison
 
-    demo.where.update(run_demo_comparison(demo.path("compare"), features=demo.path("features")))
+    # Prices: the AWS Price List API if it answers (credentials + network), else the shipped
+    # table, each figure labelled with its source; parity: the two training runs above.
+    parity = (["--parity-runs", str(demo.path("run")), str(demo.path("run-trn"))]
+              if (demo.path("run-trn") / "metrics.jsonl").exists() else [])
+    demo.where.update(run_demo_comparison(demo.path("compare"), features=demo.path("features"),
+                                          report_args=["--prices", "aws", *parity]))
     # The report always has the projection (training/projection.py): cost per million samples
     # against MFU for the real presets on p5/trn1 list prices, with the break-even marked.
     report_dir = demo.path("compare") / "report"
@@ -181,7 +210,8 @@ def compare(demo: Demo) -> None:
 
 #: The demo, in order. Append steps here (e.g. bench, report).
 STEPS: list[Callable[[Demo], None]] = [
-    make_raw_data, make_tiny_models, precompute, train_first_part, train_resumed, export, sample, compare,
+    make_raw_data, make_tiny_models, precompute, train_first_part, train_resumed, train_trainium, export, sample,
+    compare,
 ]
 
 

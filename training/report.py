@@ -1,8 +1,10 @@
 """``python -m training.report RESULT.json ... --out DIR``: the GPU vs Trainium cost-performance report.
 
-Reads bench results (``training.bench_result.BenchResult``, validated on load), a price
-table (``training/prices.yaml`` or ``--prices FILE``) and optionally the feature index and
-the FSx settings, and writes ``DIR/report.md`` plus PNG charts. Every number and every
+Reads bench results (``training.bench_result.BenchResult``, validated on load), prices
+(``training/prices.yaml``, ``--prices FILE`` or ``--prices aws``: the AWS Price List API) and
+optionally the feature index and the FSx settings, and writes ``DIR/report.md`` plus PNG
+charts. The decision inputs around the bench numbers (price sources and staleness, price
+scenarios, MFU evidence, quality parity) live in ``training/decision/``. Every number and every
 sentence of the recommendation is computed from those inputs; nothing is written in by
 hand, so the report can be regenerated whenever a result or a price changes.
 

@@ -71,9 +71,9 @@ def load_run(path: str | Path, label: str) -> Curve:
             raise UserError(f"--parity-runs {path}: {metrics} line {n} is not JSON") from None
         if isinstance(rec, dict) and isinstance(rec.get("step"), int) and "loss" in rec and "samples_seen" in rec:
             records[rec["step"]] = rec  # a resumed run logs a step again: the last one counts
-    if len(records) < 2:
-        raise UserError(f"--parity-runs {path}: {metrics} has {len(records)} logged step(s) with loss and "
-                        "samples_seen; parity needs a run that logged at least 2")
+    if not records:
+        raise UserError(f"--parity-runs {path}: {metrics} has no logged step with loss and samples_seen; give the "
+                        "output_dir of a run that logged (log_every)")
     steps = sorted(records)
     grids = {int(m.group(1)): p for p in sorted((run / "validation").glob("step-*.png")) if (m := GRID.match(p.name))}
     return Curve(label=label, path=run, steps=steps, samples=[float(records[s]["samples_seen"]) for s in steps],
