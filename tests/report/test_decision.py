@@ -240,3 +240,13 @@ def test_without_parity_runs_the_recommendation_says_parity_is_unproven(tmp_path
     assert "Quality parity is unproven: no training runs of the same recipe on both platforms were compared" in \
            md.split("## Recommendation")[1].split("\n## ")[0]
     assert "## Quality parity" not in md
+
+
+def test_a_resumed_runs_repeated_step_counts_once_and_a_cut_last_line_is_ignored(tmp_path):
+    from training.decision import parity
+
+    run = write_run(tmp_path / "run", [1.0, 0.9, 0.8])
+    with (run / "metrics.jsonl").open("a") as fh:  # resumed from step 50: steps 75 logged again, then cut short
+        fh.write(json.dumps({"step": 75, "loss": 0.7, "samples_seen": 1200}) + "\n" + '{"step": 100, "lo')
+    curve = parity.load_run(run, "GPU run")
+    assert curve.steps == [25, 50, 75] and curve.loss == [1.0, 0.9, 0.7]
