@@ -244,3 +244,20 @@ def test_bad_prices_source_is_one_line(tmp_path, capsys, spec, needle):
         report.main([*_runs(tmp_path), "--out", str(tmp_path / "o"), "--prices", spec])
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and needle in err and "\n" not in err
+
+
+def test_live_check_command_reports_what_the_filters_find(tmp_path, capsys, monkeypatch):
+    """``python -m training.decision.aws_prices``: the check to run on a machine with credentials."""
+    c = client()
+    monkeypatch.setattr(aws_prices, "make_client", lambda: c)
+    with Stubber(c) as stubber:
+        stub_api(stubber)
+        assert aws_prices.main(["--cache", str(tmp_path / "c.json")]) == 0
+    out = capsys.readouterr().out
+    assert "ml.p5.48xlarge       HyperPod $63.296/h sku HP000000000000 | EC2 $55.040/h" in out
+    assert "ml.trn2.48xlarge     HyperPod none: no HyperPod (platoinstancetype=Cluster) product | EC2 none" in out
+    with Stubber(c) as stubber:  # the filter matches nothing: the offer file changed, exit 1
+        stubber.add_response("get_products", {"PriceList": []})
+        for _ in WANTED:
+            stubber.add_response("get_products", {"PriceList": []})
+        assert aws_prices.main(["--cache", str(tmp_path / "c.json")]) == 1

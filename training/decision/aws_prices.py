@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from training.decision.prices import DEFAULT_PRICES, Price, PriceTable, merged
-from training.errors import UserError
+from training.errors import UserError, exits_cleanly
 
 #: the Price List API's home endpoint (it also answers in eu-central-1 and ap-south-1)
 ENDPOINT_REGION = "us-east-1"
@@ -304,3 +304,36 @@ def _from_api(region: str, wanted: set[str], *, client: Any, client_factory: Cal
     if dropped := sorted(set(result.missing) - set(shipped.prices)):
         notes.append(f"prices: no HyperPod price for {', '.join(dropped)} in {result.region}: left out of the projection")
     return merged([result.table(origin="api"), shipped]), notes
+
+
+@exits_cleanly
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m training.decision.aws_prices [--region R]``: the one-command check, on a machine with
+    AWS credentials, that the filters above find HyperPod and EC2 prices in the live API. Prints one
+    line per accelerator instance type; exit 0 when the HyperPod filter found prices, 1 when it found
+    none (the offer file no longer matches these filters), 2 when the API cannot be asked."""
+    import argparse
+
+    from training import flops
+
+    p = argparse.ArgumentParser(prog="python -m training.decision.aws_prices", description="check the Price List API filters against the live API (needs AWS credentials)")
+    p.add_argument("--region", default="us-east-1", help="region to price (default %(default)s)")
+    p.add_argument("--cache", help=f"where to keep the fetch (default {default_cache('REGION')})")
+    args = p.parse_args(argv)
+    parse_source(f"aws:{args.region}")
+    try:
+        result = fetch(flops.INSTANCE_TYPES, args.region, client=make_client())
+    except PriceFetchError as exc:
+        raise UserError(f"AWS Price List API not reached: {exc}") from None
+    save_cache(result, Path(args.cache) if args.cache else default_cache(args.region))
+    for name in sorted(flops.INSTANCE_TYPES):
+        hp, ec2 = result.hyperpod.get(name), result.ec2.get(name.removeprefix("ml."))
+        print(f"{name:20s} HyperPod {f'${hp.usd_per_hour:,.3f}/h sku {hp.sku}' if hp else 'none: ' + result.missing[name]}"
+              f" | EC2 {f'${ec2.usd_per_hour:,.3f}/h' if ec2 else 'none'}")
+    print(f"fetched {result.fetched_at} from {ENDPOINT_REGION} for {args.region}; filters: "
+          + json.dumps(result.requests[0]["Filters"]))
+    return 0 if result.hyperpod else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
