@@ -513,7 +513,7 @@ def build(result_paths: Sequence[str | Path], out: str | Path, *, prices_path: s
     (one source) overrides ``opts.decision.prices``."""
     opts = opts or Options()
     if prices_path is not None:
-        opts.decision = dataclasses.replace(opts.decision, prices=[str(prices_path)])
+        opts = dataclasses.replace(opts, decision=dataclasses.replace(opts.decision, prices=[str(prices_path)]))
     if not result_paths and not opts.project_only:
         raise UserError("report: give at least one bench result JSON, or --project for the projection alone")
     results = [(Path(p), BenchResult.load(p)) for p in result_paths]
