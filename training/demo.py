@@ -194,12 +194,14 @@ def compare(demo: Demo) -> None:
     """Bench both backends on this CPU and write the GPU-vs-Trainium report (CPU figures)."""
     from training.bench import run_demo_comparison
 
-    # Prices: the AWS Price List API if it answers (credentials + network), else the shipped
-    # table, each figure labelled with its source; parity: the two training runs above.
+    # Prices: the shipped, dated table (training/prices.yaml), each figure labelled with its
+    # source. The demo never calls AWS (it runs on machines without an account, where even the
+    # credential lookup would probe the instance metadata address); `--prices aws` on the
+    # report command asks the Price List API (runbooks/compare.md). Parity: the two runs above.
     parity = (["--parity-runs", str(demo.path("run")), str(demo.path("run-trn"))]
               if (demo.path("run-trn") / "metrics.jsonl").exists() else [])
     demo.where.update(run_demo_comparison(demo.path("compare"), features=demo.path("features"),
-                                          report_args=["--prices", "aws", *parity]))
+                                          report_args=parity))
     # The report always has the projection (training/projection.py): cost per million samples
     # against MFU for the real presets on p5/trn1 list prices, with the break-even marked.
     report_dir = demo.path("compare") / "report"
