@@ -193,6 +193,7 @@ def sample(demo: Demo) -> None:
 def compare(demo: Demo) -> None:
     """Bench both backends on this CPU and write the GPU-vs-Trainium report (CPU figures)."""
     from training.bench import run_demo_comparison
+    from training.decision.prices import DEFAULT_PRICES
 
     # Prices: the shipped, dated table (training/prices.yaml), each figure labelled with its
     # source. The demo never calls AWS (it runs on machines without an account, where even the
@@ -201,7 +202,7 @@ def compare(demo: Demo) -> None:
     parity = (["--parity-runs", str(demo.path("run")), str(demo.path("run-trn"))]
               if (demo.path("run-trn") / "metrics.jsonl").exists() else [])
     demo.where.update(run_demo_comparison(demo.path("compare"), features=demo.path("features"),
-                                          report_args=parity))
+                                          report_args=["--prices", str(DEFAULT_PRICES), *parity]))
     # The report always has the projection (training/projection.py): cost per million samples
     # against MFU for the real presets on p5/trn1 list prices, with the break-even marked.
     report_dir = demo.path("compare") / "report"
