@@ -6,6 +6,7 @@
 # so the tests run these scripts for real inside a temporary directory.
 
 PLATFORM_ROOT="${PLATFORM_ROOT:-}"
+COMMON_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck disable=SC2034 # used by the scripts that source this file
 {
 PROVISION_LOG_DIR="${PLATFORM_ROOT}/var/log/provision"
@@ -85,4 +86,18 @@ point_link() {
 # node_status_file: the one-line status an operator lists on FSx (`cat /fsx/logs/provision/*.status`).
 node_status_file() {
   printf '%s/logs/provision/%s.status\n' "$FSX" "$NODE_NAME"
+}
+
+# safe_fs dir|userdir|write ARGS...: root's file operations on FSx that never follow a path a
+# cluster user controls (lifecycle_scripts/safe_fs.py: openat + O_NOFOLLOW, fchown/fchmod on
+# descriptors). Its one-line refusal ("... is a symlink ...") becomes this step's cause.
+safe_fs() {
+  local out
+  out=$(python3 "$COMMON_DIR/safe_fs.py" "$@" 2>&1) || die "$out"
+}
+
+# write_node_status LINE: the node's status file, written whole by root into the root-only
+# logs/provision (never through a link; refused in a directory others can write).
+write_node_status() {
+  printf '%s\n' "$1" | safe_fs write "$FSX" 0644 "logs/provision/$NODE_NAME.status"
 }

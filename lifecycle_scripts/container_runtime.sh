@@ -12,17 +12,18 @@
 # enroot.conf (NVIDIA/enroot doc/configuration.md keys), written whole like the samples do:
 #   ENROOT_RUNTIME_PATH / ENROOT_DATA_PATH / ENROOT_TEMP_PATH  on the local NVMe
 #       (/opt/dlami/nvme, else /opt/sagemaker; unpacked rootfs are large and per node)
-#   ENROOT_CACHE_PATH      <fsx>/enroot: image layers shared by every node
+#   ENROOT_CACHE_PATH      ${HOME}/.cache/enroot: each user's own layer cache (on FSx, every node)
 #   ENROOT_SQUASH_OPTIONS  -comp lzo -noD (enroot's default; tests/containers squashes the same)
 #   ENROOT_ROOTFS_WRITABLE yes, ENROOT_MOUNT_HOME no, ENROOT_RESTRICT_DEV no (EFA/Neuron devices)
 #   ENROOT_CONFIG_PATH     ${HOME}/.config/enroot: each user's .credentials (ECR login)
-# plus <fsx>/images (root:<cluster group> 2775) for the imported .sqsh files.
+# plus <fsx>/images (root 0755) for the .sqsh files root imports by digest (import_image.sh), and
+# each cluster user's runtime/data directory, made by root for that user (below).
 # Then `srun --help` must list --container-image (pyxis loaded by this node's srun).
 set -euo pipefail
 # shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 step_init
-require_vars FSX CFG_CLUSTER_GID
+require_vars FSX CFG_CLUSTER_GID CFG_CLUSTER_USERS
 
 SLURM_ETC=${SLURM_ETC:-${PLATFORM_ROOT}/opt/slurm/etc}
 ENROOT_CONF=${PLATFORM_ROOT}/etc/enroot/enroot.conf
@@ -61,18 +62,22 @@ local_scratch() {
 }
 scratch=$(local_scratch)
 
-make_dir() {
-  local owner=$1 mode=$2 dir=$3
-  [[ ! -L $dir ]] || die "$dir is a symlink (to $(readlink "$dir")); move it away, enroot needs a directory there"
-  mkdir -p "$dir"
-  chown "$owner" "$dir"
-  chmod "$mode" "$dir"
-}
-make_dir 0:0 01777 "$scratch/tmp"
-make_dir 0:0 01777 "$scratch/tmp/enroot"
-make_dir 0:0 01777 "$scratch/tmp/enroot/data"
-make_dir 0:0 01777 "$FSX/enroot"
-make_dir "0:$CFG_CLUSTER_GID" 02775 "$FSX/images"
+# Root-made, never through a link (lifecycle_scripts/safe_fs.py). Each cluster user's runtime
+# and container directories exist before the user's first job, owned by that user, under
+# root-only parents: in a shared 1777 directory another user could create them first and then
+# own (and fill) the root file system of this user's containers. ENROOT_TEMP_PATH stays a
+# sticky scratch directory (enroot makes its temp files there with mktemp).
+mkdir -p "$scratch"
+safe_fs dir "$scratch" 0:0 1777 tmp
+safe_fs dir "$scratch" 0:0 0755 tmp/enroot tmp/enroot/data
+read -r -a specs <<<"${CFG_CLUSTER_USERS:-}"
+for spec in "${specs[@]}"; do
+  uid=${spec##*:}
+  safe_fs userdir "$scratch" "$uid:$CFG_CLUSTER_GID" 0700 "tmp/enroot/user-$uid" "tmp/enroot/data/user-$uid"
+done
+# The image store: root-owned, imported by digest as root (import_image.sh); a job runs only
+# images from here or files its own user owns (training/slurm/launch.sh, container mode).
+safe_fs dir "$FSX" 0:0 0755 images images/by-tag
 
 # Paths inside enroot.conf are the node's, without the test prefix.
 node_scratch=${scratch#"$PLATFORM_ROOT"}
@@ -87,7 +92,10 @@ tmp=$(mktemp "$ENROOT_CONF.XXXXXX")
   printf 'ENROOT_RUNTIME_PATH        %s/tmp/enroot/user-$(id -u)\n' "$node_scratch"
   printf 'ENROOT_DATA_PATH           %s/tmp/enroot/data/user-$(id -u)\n' "$node_scratch"
   printf 'ENROOT_TEMP_PATH           %s/tmp\n' "$node_scratch"
-  printf 'ENROOT_CACHE_PATH          %s/enroot\n' "${FSX#"$PLATFORM_ROOT"}"
+  # Per user: enroot trusts a layer already in its cache without checking its digest again
+  # (NVIDIA/enroot src/docker.sh, docker::_download_extract), so a shared cache would let one
+  # user choose the layers of another user's import.
+  printf 'ENROOT_CACHE_PATH          ${HOME}/.cache/enroot\n'
   printf 'ENROOT_CONFIG_PATH         ${HOME}/.config/enroot\n'
   printf 'ENROOT_SQUASH_OPTIONS      -comp lzo -noD\n'
   printf 'ENROOT_ROOTFS_WRITABLE     yes\n'
@@ -103,4 +111,4 @@ if command -v srun >/dev/null 2>&1; then
 else
   die "srun is not installed on this node; HyperPod's Slurm (Extended mode) should have put it on PATH"
 fi
-log "enroot $(enroot version 2>/dev/null || echo '?') + pyxis ready: scratch $node_scratch, cache $FSX/enroot, images $FSX/images"
+log "enroot $(enroot version 2>/dev/null || echo '?') + pyxis ready: scratch $node_scratch, per-user cache ~/.cache/enroot, images $FSX/images (root, by digest)"

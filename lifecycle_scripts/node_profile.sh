@@ -31,7 +31,11 @@ common_env() {
   export_line SANA_PLATFORM_DIR "$FSX/platform/current"
   export_line SANA_ENV_GPU "$ENV_GPU_DIR"
   export_line SANA_ENV_NEURON "$ENV_NEURON_DIR"
-  export_line SANA_CHECKPOINT_ROOT "$FSX/checkpoints"
+  # Each user's runs, logs and compile caches live in <root>/<user>/ (training/slurm/launch.sh),
+  # private directories the dirs step made for every cluster user (shared_dirs.sh).
+  # Checkpoints sit under the artefacts bucket's data repository association, so FSx exports
+  # them to S3 itself: a job needs no AWS credentials (the node blocks them, imds_block.sh).
+  export_line SANA_CHECKPOINT_ROOT "$FSX/artefacts/checkpoints"
   export_line SANA_LOG_ROOT "$FSX/logs"
   export_line SANA_DATA_ROOT "$FSX/data"
   export_line SANA_CACHE_ROOT "$FSX/cache"
@@ -72,8 +76,8 @@ trn_env() {
   export_line MALLOC_ARENA_MAX 64
   # Full-bf16 weights need stochastic rounding to keep training (DESIGN.md, Trainium facts).
   export_line NEURON_RT_STOCHASTIC_ROUNDING_EN 1
-  # Compiled graphs are shared by every node and every job: compile once per cluster.
-  export_line NEURON_COMPILE_CACHE_URL "$FSX/cache/neuron"
+  # The compile cache is per user ($SANA_CACHE_ROOT/neuron/<user>, set by launch.sh): a cache
+  # another user can write would let them choose the graphs this user's job runs.
   export_line NEURON_CC_FLAGS '--model-type=transformer'
   # The Neuron runtime's root-comm (collectives bootstrap) port; launch.sh builds
   # NEURON_RT_ROOT_COMM_ID=<rank 0's node>:<this port>. Reserved below (reserve_ports).

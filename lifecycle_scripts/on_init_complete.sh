@@ -28,7 +28,8 @@
 # step waits, with a bound, until this node's daemon is active before it reports READY.
 #
 # Steps (one small script per concern; see runbooks/node-boot.md):
-#   all roles   settings -> identity -> fsx -> dirs -> users -> package -> profile -> ... -> ready
+#   all roles   settings -> identity -> imds -> fsx -> dirs -> users -> package -> profile -> ... -> ready
+#               (imds: only root and system services reach the instance metadata service)
 #   gpu         ... -> env-gpu (build /fsx/envs/gpu once per cluster) -> containers -> ready
 #   trn         ... -> env-neuron (build /fsx/envs/neuron once per cluster) -> containers -> ready
 #   login       ... -> env-gpu (only the base Python the GPU env links to) -> containers -> ready
@@ -92,9 +93,11 @@ run_step() {
 fail() {
   local step=$1 cause=${2% }
   if [[ -n ${FSX:-} && -n ${NODE_NAME:-} && -d $FSX/logs/provision ]]; then
-    printf '%s FAILED node=%s group=%s role=%s ip=%s step=%s cause=%s\n' \
+    # In a subshell: write_node_status's own refusal (a link or a user-writable directory in
+    # the way, e.g. before the dirs step fixed an old layout) must not replace this failure.
+    (write_node_status "$(printf '%s FAILED node=%s group=%s role=%s ip=%s step=%s cause=%s' \
       "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$NODE_NAME" "${NODE_GROUP:-}" "${NODE_ROLE:-}" \
-      "${NODE_IP:-}" "$step" "$cause" >"$(node_status_file)" 2>/dev/null || true
+      "${NODE_IP:-}" "$step" "$cause")") >/dev/null 2>&1 || true
   fi
   log "FAILED step=$step: $cause"
   local wait_s=${LIFECYCLE_FAILURE_LOG_WAIT_S:-60}
@@ -117,6 +120,8 @@ main() {
   load "$STATE_DIR/settings.env"
   run_step identity node_identity.sh
   load "$STATE_DIR/node.env"
+  # First thing after knowing the node: from here on only root reaches the node's credentials.
+  run_step imds imds_block.sh
   run_step fsx fsx_mount.sh
   run_step dirs shared_dirs.sh
   run_step users cluster_users.sh

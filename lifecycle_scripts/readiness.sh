@@ -104,8 +104,8 @@ case $NODE_ROLE in
 esac
 check_slurm
 
-status_file=$(node_status_file)
-printf '%s READY node=%s group=%s role=%s ip=%s package=%s %s\n' \
+status=$(printf '%s READY node=%s group=%s role=%s ip=%s package=%s %s' \
   "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$NODE_NAME" "$NODE_GROUP" "$NODE_ROLE" "$NODE_IP" \
-  "$CFG_PACKAGE_HASH" "${details[*]}" | write_atomically "$status_file" 0644
-log "status: $(cat "$status_file")"
+  "$CFG_PACKAGE_HASH" "${details[*]}")
+write_node_status "$status"
+log "status: $status"

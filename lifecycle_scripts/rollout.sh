@@ -8,6 +8,14 @@
 #
 #   rollout.sh <package hash | s3://<lifecycle bucket>/lifecycle/<hash>/>
 #
+# Only THIS cluster's lifecycle bucket, only under lifecycle/, only a 16-hex-digit hash: root
+# installs what it fetches (pip runs as root, and `current` changes the code every later job
+# runs), so the prefix is checked against platform-settings.json's lifecycle_bucket, and the
+# fetched files must hash to the name of the prefix (lifecycle_scripts/package_hash.py, the
+# function the cluster stack names the upload with, run from the package that is current now).
+# A prefix anyone could write to, or one whose content was changed after `cdk deploy`, is
+# refused before anything is installed.
+#
 # As root, on a node provisioned by on_init_complete.sh (it reads that node's settings.env and
 # node.env). Steps, each converging, so a re-run (or a run after a failure) is safe:
 #   1. fetch   the prefix into $FSX/platform/<hash> (training/ and lifecycle/, as the package
@@ -29,12 +37,14 @@
 # ExecutionRole). AWS_ENDPOINT_URL_S3 / AWS_DEFAULT_REGION are honoured as boto3 documents.
 #
 # Output: log lines, then ONE last line: "[rollout] ROLLED OUT ...", "[rollout] PENDING ..."
-# (exit 0) or "[rollout] FAILED: <cause>" (exit 1).
+# (exit 0) or "[rollout] FAILED: <cause>" (exit 1). Everything it writes lies in root-only
+# directories ($FSX/platform, $FSX/envs; rollout.sbatch's output in /fsx/logs/root/).
 #
 # Environment: PLATFORM_ROOT (tests), ROLLOUT_PYTHON (a python with boto3; default the env of
 # this node's role), LIFECYCLE_ENV_LOCK_TIMEOUT_S, ROLLOUT_LOCK_TIMEOUT_S (default 600).
 if [ -z "${BASH_VERSION:-}" ]; then exec bash "$0" "$@"; fi
 set -euo pipefail
+umask 022
 LIFECYCLE_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export LIFECYCLE_DIR PLATFORM_ROOT="${PLATFORM_ROOT:-}"
 export STEP_NAME=rollout
@@ -55,17 +65,18 @@ for env_file in "$STATE_DIR/settings.env" "$STATE_DIR/node.env"; do
 done
 [[ $(id -u) == 0 ]] || fail "must run as root (it writes $FSX/platform and $FSX/envs): sudo sbatch ... rollout.sbatch"
 
-# The argument: a bare hash (in this cluster's lifecycle bucket) or the full prefix.
-arg=$1
+# The argument: a bare hash or the full prefix, which must be this cluster's lifecycle bucket.
+arg=$1 bucket=$CFG_LIFECYCLE_BUCKET
 if [[ $arg == s3://* ]]; then
-  [[ $arg =~ ^s3://([a-z0-9][a-z0-9.-]+)/(([^/]+/)*)([A-Za-z0-9_-][A-Za-z0-9._-]*)/?$ ]] \
-    || fail "'$arg' is not an S3 prefix of the form s3://<bucket>/lifecycle/<hash>/"
-  bucket=${BASH_REMATCH[1]} hash=${BASH_REMATCH[4]}
-  prefix="${BASH_REMATCH[2]}$hash/"
+  [[ $arg =~ ^s3://([^/]+)/lifecycle/([0-9a-f]{16})/?$ && ${BASH_REMATCH[1]} == "$bucket" ]] \
+    || fail "'$arg' is not this cluster's lifecycle prefix s3://$bucket/lifecycle/<hash>/; the rollout installs only packages \`cdk deploy\` uploaded there (the cluster stack's LifecycleUri output)"
+  hash=${BASH_REMATCH[2]}
 else
-  [[ $arg =~ ^[A-Za-z0-9_-][A-Za-z0-9._-]*$ ]] || fail "'$arg' is neither a package hash nor an s3:// prefix"
-  bucket=$CFG_LIFECYCLE_BUCKET hash=$arg prefix="lifecycle/$arg/"
+  [[ $arg =~ ^[0-9a-f]{16}$ ]] \
+    || fail "'$arg' is neither a package hash (16 hex digits, the end of the cluster stack's LifecycleUri output) nor an s3:// prefix"
+  hash=$arg
 fi
+prefix="lifecycle/$hash/"
 uri="s3://$bucket/$prefix"
 platform="$FSX/platform"
 dest="$platform/$hash"
@@ -92,14 +103,17 @@ fetch() {
   incoming=$(mktemp -d "$platform/.incoming-$hash.XXXXXX")
   # shellcheck disable=SC2064 # expand now: the trap must remove this very directory
   trap "rm -rf '$incoming'" EXIT
-  if ! out=$("$python" -I - "$bucket" "$prefix" "$incoming" "$CFG_REGION" 2>&1 <<'PY'
+  if ! out=$("$python" -I - "$bucket" "$prefix" "$incoming" "$CFG_REGION" "$LIFECYCLE_DIR/package_hash.py" 2>&1 <<'PY'
 import os
+import runpy
 import sys
+from pathlib import PurePosixPath
 
 import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 
-bucket, prefix, dest, region = sys.argv[1:5]
+bucket, prefix, dest, region, hash_module = sys.argv[1:6]
+excluded = runpy.run_path(hash_module)["excluded"]
 uri = f"s3://{bucket}/{prefix}"
 s3 = boto3.client("s3", region_name=os.environ.get("AWS_DEFAULT_REGION") or region)
 count = 0
@@ -112,6 +126,11 @@ try:
             parts = rel.split("/")
             if any(p in ("", ".", "..") for p in parts):
                 sys.exit(f"{uri} holds an unsafe key {obj['Key']!r}; it was not uploaded by the cluster stack")
+            if excluded(PurePosixPath(*parts)):
+                # The stack never uploads these, and the hash leaves them out: installing one
+                # would install code no hash vouches for.
+                sys.exit(f"{uri} holds {obj['Key']!r}, a name the cluster stack never uploads "
+                         "(caches, tests, hidden files); it was not uploaded by `cdk deploy`")
             # The stack's layout: training/... is the package, everything else the lifecycle scripts.
             local = os.path.join(dest, *parts) if parts[0] == "training" else os.path.join(dest, "lifecycle", *parts)
             os.makedirs(os.path.dirname(local), exist_ok=True)
@@ -136,6 +155,11 @@ PY
     "$incoming/lifecycle/platform-settings.json" 2>/dev/null) \
     || fail "$uri has no readable platform-settings.json: not a package uploaded by the cluster stack"
   [[ $settings_hash == "$hash" ]] || fail "$uri holds the package of hash $settings_hash, not $hash; name the prefix cdk deploy uploaded"
+  local content_hash
+  content_hash=$(python3 "$LIFECYCLE_DIR/package_hash.py" "$incoming/lifecycle" "$incoming/training") \
+    || fail "cannot hash the package fetched from $uri"
+  [[ $content_hash == "$hash" ]] \
+    || fail "$uri holds files whose content hash is $content_hash, not $hash: changed after \`cdk deploy\` uploaded them; nothing was installed"
   chmod -R u+rwX,go+rX,go-w "$incoming"
   if mv -T "$incoming" "$dest" 2>/dev/null; then
     log "fetched $(printf '%s' "$out" | tail -n 1) objects into $dest"

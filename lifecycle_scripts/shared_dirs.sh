@@ -1,45 +1,49 @@
 #!/usr/bin/env bash
-# Step "dirs": the shared directories on FSx every node and job expects.
-#   envs/, platform/   root:root 0755: built by the lifecycle, read by everyone; a job
-#                      must not change the env or the package under other jobs.
-#   data/, checkpoints/, logs/ (+ logs/slurm/)
-#                      root:<cluster group> 2775: every cluster user (all in the group,
-#                      step "users") writes there; setgid keeps new files and directories in
-#                      the group, so a run started by one researcher can be resumed by another.
-#                      logs/slurm/ holds Slurm's own job output (#SBATCH --output=/fsx/logs/slurm/...).
-#   cache/ (+ neuron/) 1777 like /tmp: compile caches any job, of any user, may fill.
-#   logs/provision/    root 0755: the node status files this lifecycle writes as root.
-#   <home_root>/       root 0755: one 0700 home per cluster user inside (step "users").
-# Owners are numeric (the group's fixed GID): this step runs before the group exists here.
+# Step "dirs": the shared directories on FSx every node and job expects, and one private
+# directory per cluster user in each tree that holds a user's runs (runbooks/users.md).
+#
+#   envs/, platform/      root:root 0755: built by the lifecycle, read by everyone; a job must
+#                         not change the env or the package under other jobs.
+#   data/                 root:<group> 3775: shared inputs (the data bucket's association);
+#                         setgid keeps new entries in the group, the sticky bit keeps anyone
+#                         from renaming or deleting another user's entries.
+#   artefacts/            root:<group> 3775 likewise (the artefacts bucket's association:
+#                         what is written here is exported to S3).
+#   artefacts/checkpoints/<user>/, logs/<user>/, cache/inductor/<user>/, cache/neuron/<user>/
+#                         <user>:<group> 0700: run directories, job logs (Slurm's --output
+#                         /fsx/logs/%u/...), compile caches. Their parents are root:root 0755
+#                         (logs/ is 1755: root-owned, sticky), so no user can create, rename or
+#                         replace another user's directory, nor plant one before its owner.
+#   logs/provision/       root 0755: the node status files this lifecycle writes as root.
+#   logs/root/            root 0700: output of the jobs root submits (the rollout).
+#   <home_root>/          root 0755: one 0700 home per cluster user inside (step "users").
+#
+# Every directory is created and owned through lifecycle_scripts/safe_fs.py, which walks each
+# path with O_NOFOLLOW and changes owner/mode on file descriptors: a symlink a user planted
+# anywhere on the way fails this step with one line instead of being followed by root. Owners
+# are numeric (the cluster's fixed UIDs/GID): this step runs before the accounts exist here.
 set -euo pipefail
 # shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 step_init
-require_vars FSX CFG_CLUSTER_GID HOME_ROOT_DIR
+require_vars FSX CFG_CLUSTER_GID CFG_CLUSTER_USERS HOME_ROOT_DIR
 
-# make_dir OWNER MODE DIR. MODE has five digits: GNU chmod keeps a directory's setgid bit
-# (inherited from a setgid parent such as logs/) unless a 5-digit numeric mode clears it
-# explicitly (coreutils manual, "Directories and the Set-User-ID and Set-Group-ID Bits").
-# A symlink is refused, never followed: logs/ is group-writable, so a cluster user could put
-# one at logs/slurm or logs/provision, and root's chown/chmod would then apply to its target.
-make_dir() {
-  local owner=$1 mode=$2 dir=$3
-  [[ ! -L $dir ]] || die "$dir is a symlink (to $(readlink "$dir")); the platform expects a directory there: move the link away"
-  mkdir -p "$dir"
-  chown "$owner" "$dir"
-  chmod "$mode" "$dir"
-}
+gid=$CFG_CLUSTER_GID
+safe_fs dir "$FSX" 0:0 0755 envs envs/.locks platform platform/.locks
+safe_fs dir "$FSX" "0:$gid" 3775 data artefacts
+safe_fs dir "$FSX" 0:0 1755 logs
+safe_fs dir "$FSX" 0:0 0755 logs/provision artefacts/checkpoints cache cache/inductor cache/neuron
+safe_fs dir "$FSX" 0:0 0700 logs/root
 
-for dir in envs envs/.locks platform platform/.locks; do
-  make_dir 0:0 00755 "$FSX/$dir"
+read -r -a specs <<<"$CFG_CLUSTER_USERS"
+for spec in "${specs[@]}"; do
+  name=${spec%%:*} uid=${spec##*:}
+  safe_fs userdir "$FSX" "$uid:$gid" 0700 "logs/$name" "artefacts/checkpoints/$name" \
+    "cache/inductor/$name" "cache/neuron/$name"
 done
-for dir in data checkpoints logs logs/slurm; do
-  make_dir "0:$CFG_CLUSTER_GID" 02775 "$FSX/$dir"
-done
-for dir in cache cache/neuron; do
-  make_dir 0:0 01777 "$FSX/$dir"
-done
-make_dir 0:0 00755 "$FSX/logs/provision"
-make_dir 0:0 00755 "$HOME_ROOT_DIR"
-make_dir 0:0 00700 "$HOME_ROOT_DIR/.locks"
-log "shared directories ready under $FSX: envs platform data checkpoints logs (group $CFG_CLUSTER_GID, 2775) cache homes"
+
+# The home root may lie outside FSX's tree only in name (settings.sh keeps it under fsx_mount).
+safe_fs dir "$(dirname "$HOME_ROOT_DIR")" 0:0 0755 "$(basename "$HOME_ROOT_DIR")"
+safe_fs dir "$HOME_ROOT_DIR" 0:0 0700 .locks
+log "shared directories ready under $FSX: envs platform (0755) data artefacts (group $gid, 3775) logs (1755)" \
+  "cache; private logs, checkpoints and compile caches for ${#specs[@]} users"

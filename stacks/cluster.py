@@ -14,8 +14,7 @@ nodes created afterwards run the new code (lifecycle_scripts/settings.sh reads t
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterator
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,31 +40,25 @@ TRAINING_DIR = REPO / "training"
 # Customer Managed mode where the scripts themselves had to set up and start Slurm).
 ON_INIT_COMPLETE = "on_init_complete.sh"
 SETTINGS_FILE = "platform-settings.json"
-# Never uploaded: byte-code caches, tests, hidden files (editor/tool state).
-EXCLUDED_NAMES = ("__pycache__", "tests", ".*", "*.pyc")
 # https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-hyperpod-eks-resiliency-deep-health-checks.html
 DEEP_HEALTH_CHECKS = ["InstanceStress", "InstanceConnectivity"]
 
 
-def _excluded(rel: Path) -> bool:
-    return any(Path(part).match(pattern) for part in rel.parts for pattern in EXCLUDED_NAMES)
+def _load_package_hash():
+    """lifecycle_scripts/package_hash.py: ONE implementation of the content hash, shared with
+    the nodes (rollout.sh recomputes it over a fetched prefix before installing it)."""
+    spec = importlib.util.spec_from_file_location("sana_package_hash", LIFECYCLE_DIR / "package_hash.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def package_files(root: Path) -> Iterator[Path]:
-    """Files of ``root`` that are uploaded (same exclusions as the S3 deployment), sorted."""
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and not _excluded(path.relative_to(root)):
-            yield path
-
-
-def package_hash(*roots: Path) -> str:
-    """16 hex digits of SHA-256 over (tree name, relative path, content) of every uploaded file."""
-    digest = hashlib.sha256()
-    for root in roots:
-        for path in package_files(root):
-            digest.update(f"{root.name}/{path.relative_to(root).as_posix()}\0".encode())
-            digest.update(hashlib.sha256(path.read_bytes()).digest())
-    return digest.hexdigest()[:16]
+_HASH = _load_package_hash()
+# Never uploaded: byte-code caches, tests, hidden files (editor/tool state).
+EXCLUDED_NAMES = _HASH.EXCLUDED_NAMES
+package_files = _HASH.package_files
+package_hash = _HASH.package_hash
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -72,7 +72,9 @@ POSIX_NAME_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 # SSM agent creates on the first Session Manager session
 # (docs.aws.amazon.com/systems-manager/latest/userguide/session-manager-getting-started-ssm-user-permissions.html).
 RESERVED_NAMES = frozenset({"root", "daemon", "bin", "sys", "sync", "nobody", "nogroup", "ubuntu", "admin",
-                            "sudo", "docker", "slurm", "munge", "ssm-user", "users", "staff", "adm"})
+                            "sudo", "docker", "slurm", "munge", "ssm-user", "users", "staff", "adm",
+                            # keeps the instance metadata service on the nodes (lifecycle_scripts/imds_block.sh)
+                            "cwagent"})
 # UIDs/GIDs a cluster account may take. Debian Policy 9.2.2 (shared by Ubuntu, the HyperPod
 # AMI's base): 0-99 static system, 100-999 dynamic system accounts, 1000-59999 normal users,
 # 60000-64999 globally allocated by Debian, 65534 `nobody`/`nogroup`, 65535 invalid (the

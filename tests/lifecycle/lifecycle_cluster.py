@@ -73,6 +73,18 @@ STANDINS = {
                  '  echo "Slurmctld(primary) at controller-1 is DOWN"; exit 1\nfi\n'
                  'echo "scontrol $1: not stood in" >&2; exit 1'),
 }
+# iptables / ip6tables on a node: the IMDS step's rules (lifecycle_scripts/imds_block.sh). Here a
+# stand-in keeps them per node under $PLATFORM_ROOT/run/standin-netfilter: this machine's own
+# firewall is never touched by a pretend node (tests/lifecycle/test_imds_block.py runs the real
+# iptables inside a network namespace of its own). `-restore` keeps the chain it is given
+# (declaring a chain flushes it, as the real one does), `-C`/`-I` the OUTPUT jump, `-S` lists.
+_NETFILTER = ('d="$PLATFORM_ROOT/run/standin-netfilter"; mkdir -p "$d"; me=$(basename "$0"); fam=${me%-restore}\n'
+              'case $me in *-restore) cat >"$d/$fam.rules"; exit 0;; esac\n'
+              'for a; do case $a in -C) op=check;; -I) op=insert;; -S) op=list;; esac; done\n'
+              'case ${op:-} in check) [ -f "$d/$fam.jump" ];; insert) echo jump >>"$d/$fam.jump";;\n'
+              '  list) chain=$(for a; do :; done; echo "$a"); echo "-N $chain"; grep "^-A $chain " "$d/$fam.rules";;\n'
+              '  *) echo "$me $*: not stood in" >&2; exit 2;; esac')
+STANDINS.update({name: _NETFILTER for name in ("iptables", "ip6tables", "iptables-restore", "ip6tables-restore")})
 
 # What HyperPod brings up on each role (Extended mode): the controller's slurmctld, the compute
 # nodes' slurmd, and on the login node a Slurm client that reaches slurmctld.

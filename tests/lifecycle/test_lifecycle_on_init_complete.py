@@ -18,10 +18,10 @@ import pytest
 from lifecycle_cluster import GROUP, LOG_LINE, NODES, SLURM_DAEMON, USERS, Cluster, make_bundle
 
 STEPS = {
-    "controller": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "accounts", "ready"],
-    "login": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
-    "gpu": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
-    "trn": ["settings", "identity", "fsx", "dirs", "users", "package", "profile", "env-neuron", "containers", "ready"],
+    "controller": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "accounts", "ready"],
+    "login": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
+    "gpu": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
+    "trn": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-neuron", "containers", "ready"],
 }
 CONTRACT_VARS = ["SANA_ROLE", "SANA_FSX", "SANA_PLATFORM_DIR", "SANA_ENV_GPU", "SANA_ENV_NEURON",
                  "SANA_CHECKPOINT_ROOT", "SANA_LOG_ROOT", "SANA_DATA_ROOT", "SANA_RDZV_PORT",

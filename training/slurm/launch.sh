@@ -72,6 +72,40 @@ apply_defaults() {
   export SANA_HYPERPOD_DIR=${SANA_HYPERPOD_DIR:-/opt/sagemaker_cluster}
 }
 
+# own_dir ROOT VAR: ROOT/<this user>, checked to be this user's alone (trusted_path: owned by us,
+# no one else may write it or the directories above it) and printed; one line naming VAR otherwise.
+# A ROOT of the user's own choosing (`SANA_LOG_ROOT=~/runs sbatch ...`) gets the directory made.
+own_dir() {
+  local root=$1 var=$2 dir why
+  dir=$root/$(id -un)
+  if [[ ! -e $dir && ! -L $dir ]]; then
+    # Succeeds only where this user may write (a root of their own); never under the platform's.
+    { mkdir -p "$root" && mkdir -m 0700 "$dir"; } 2>/dev/null \
+      || die "$dir does not exist: the lifecycle makes $root/<user> for every cluster user at boot (add the user to clusterUsers and re-run it, runbooks/users.md), or set $var to a directory of yours"
+  fi
+  [[ -d $dir && ! -L $dir ]] || die "$dir is not a directory; it must be your own directory ($var)"
+  why=$(trusted_path "$dir")
+  [[ -z $why && $(stat -c %u "$dir") == "$(id -u)" ]] \
+    || die "$dir is not yours alone (${why:-owner uid $(stat -c %u "$dir")}): another user could change what this job reads there; it must be your own directory ($var)"
+  echo "$dir"
+}
+
+# Compile caches of this user only (compiled graphs and kernels are code the job runs): the
+# inductor cache training/compile.py puts under $SANA_FSX/cache/inductor/$USER and the Neuron
+# cache $SANA_CACHE_ROOT/neuron/<user> (NEURON_COMPILE_CACHE_URL, unless the submitter chose one).
+use_own_compile_caches() {
+  local kind=$1 cache_root=${SANA_CACHE_ROOT:-$SANA_FSX/cache}
+  case $(accelerator_of "$kind") in
+    gpu) [[ -d $SANA_FSX/cache/inductor ]] && { own_dir "$SANA_FSX/cache/inductor" "the inductor cache root" >/dev/null || exit 1; } ;;
+    neuron)
+      if [[ -z ${NEURON_COMPILE_CACHE_URL:-} && -d $cache_root/neuron ]]; then
+        NEURON_COMPILE_CACHE_URL=$(own_dir "$cache_root/neuron" SANA_CACHE_ROOT) || exit 1
+        export NEURON_COMPILE_CACHE_URL
+      fi ;;
+  esac
+  return 0
+}
+
 # bench runs on either accelerator: the partition picks it (trn -> trainium, else gpu), and
 # SANA_BENCH_BACKEND=gpu|trainium overrides.
 bench_backend() {
@@ -242,56 +276,81 @@ pin_job_environment() {
 }
 
 # ---- Container mode (opt-in; venvs stay the default) -------------------------------------------
-# SANA_CONTAINER_IMAGE = a squashfs image (/fsx/images/<name>-<tag>.sqsh) or an image URI
-# (<registry>/<repo>:<tag>, e.g. the ECR repository `make push-image` pushes to). The job then
+# SANA_CONTAINER_IMAGE = an image URI (<registry>/<repo>:<tag> or @sha256:<digest>, e.g. the ECR
+# repository `make push-image` pushes to, imported by root) or a squashfs file. The job then
 # runs the same srun/torchrun flow with every node's task inside that image through pyxis
 # (NVIDIA/pyxis: srun --container-image/--container-mounts, see runbooks/containers.md), with
 # the image's own package and venv (containers/*.Dockerfile install them at CONTAINER_ROOT).
 readonly CONTAINER_ROOT=${SANA_CONTAINER_ROOT:-/opt/sana}
 
-# The .sqsh a URI is imported to: <images dir>/<last path part of the repo>-<tag>.sqsh.
-sqsh_path_of() {
-  local uri=$1 repo tag
-  [[ $uri == *:* && ${uri##*:} != */* ]] \
-    || die "SANA_CONTAINER_IMAGE=$uri: no tag; use <registry>/<repo>:<tag> or a .sqsh path (runbooks/containers.md)"
-  repo=${uri%:*}
-  tag=${uri##*:}
-  echo "${SANA_IMAGES_DIR:-$SANA_FSX/images}/${repo##*/}-$tag.sqsh"
+# Images come only from where this job's user can trust them: the root-owned image store
+# <images dir> (lifecycle_scripts/container_runtime.sh makes it root 0755; root imports into it
+# by digest, lifecycle_scripts/import_image.sh), or a .sqsh file only this user (or root) can
+# change. A job never imports an image itself: it has no registry credentials (the node's are
+# root's, lifecycle_scripts/imds_block.sh), and a store any user could write would let one
+# user choose the image another user's job runs.
+#   <registry>/<repo>@sha256:<hex>  -> <images dir>/sha256-<hex>.sqsh
+#   <registry>/<repo>:<tag>         -> the digest root recorded in <images dir>/by-tag/<registry>/<repo>/<tag>
+#                                      (the platform's ECR tags are immutable, stacks/images.py)
+#   /path/to/file.sqsh              -> that file, if trusted_path accepts it
+
+# trusted_path PATH: "" when PATH (a file or directory, resolved) and every directory above it
+# can be changed only by root or this user (owner root or us, no group/other write bit except on
+# a sticky directory, where others cannot rename or delete what is ours); else why not.
+trusted_path() {
+  local path=$1 me owner mode
+  me=$(id -u)
+  [[ -e $path ]] || { echo "$path does not exist"; return 0; }
+  path=$(readlink -f "$path")
+  read -r owner mode < <(stat -c '%u %a' "$path")
+  if [[ $owner != 0 && $owner != "$me" ]]; then echo "$path belongs to uid $owner"; return 0; fi
+  if (((8#$mode) & 8#022)); then echo "$path is writable by others (mode $mode)"; return 0; fi
+  local dir=$path
+  while [[ $dir != / ]]; do
+    dir=$(dirname "$dir")
+    read -r owner mode < <(stat -c '%u %a' "$dir")
+    if [[ $owner != 0 && $owner != "$me" ]]; then echo "$dir (above $path) belongs to uid $owner"; return 0; fi
+    if (((8#$mode) & 8#022)) && ! (((8#$mode) & 8#1000)); then
+      echo "$dir (above $path) is writable by others (mode $mode) without the sticky bit"
+      return 0
+    fi
+  done
 }
 
-# Import a URI ONCE: enroot into a temp file beside the target (same file system), then an atomic
-# rename, under a lock so concurrent jobs wait for one import; present -> nothing to do.
-# enroot's URI form is docker://[REGISTRY#]IMAGE[:TAG] (NVIDIA/enroot doc/cmd/import.md); ECR
-# credentials come from $ENROOT_CONFIG_PATH/.credentials (runbooks/containers.md).
-import_image() {
-  local uri=$1 dest=$2
-  [[ -f $dest ]] && return 0
-  mkdir -p "$(dirname "$dest")" || die "cannot create $(dirname "$dest"); check SANA_IMAGES_DIR"
-  command -v enroot >/dev/null || die "$(hostname): enroot not found; the container runtime lifecycle step (lifecycle_scripts/container_runtime.sh) did not run on this node"
-  (
-    flock 9
-    [[ -f $dest ]] && exit 0
-    local tmp=$dest.tmp.$$
-    rm -f "$tmp"
-    echo "launch.sh: importing $uri into $dest"
-    enroot import --output "$tmp" "docker://${uri%%/*}#${uri#*/}" || { rm -f "$tmp"; exit 1; }
-    chmod 0644 "$tmp"
-    mv -f "$tmp" "$dest"
-  ) 9>"$dest.lock" || die "enroot import of $uri failed; check the registry login (runbooks/containers.md, ECR credentials)"
+# The .sqsh of an image digest in the store (present or not).
+store_path_of() {
+  echo "${SANA_IMAGES_DIR:-$SANA_FSX/images}/sha256-$1.sqsh"
 }
 
-# Resolve SANA_CONTAINER_IMAGE to the .sqsh the job runs (imported first if it is a URI).
+# Resolve SANA_CONTAINER_IMAGE to the .sqsh the job runs; one line naming the fix otherwise.
 resolve_container_image() {
-  local image=$1
+  local image=$1 why digest index store=${SANA_IMAGES_DIR:-$SANA_FSX/images}
+  local import_hint="the platform team imports it: sudo bash /fsx/platform/current/lifecycle/import_image.sh $image (runbooks/containers.md)"
   if [[ $image == /* ]]; then
     [[ -f $image ]] || die "SANA_CONTAINER_IMAGE=$image: no such file; import it first (runbooks/containers.md) or give an image URI"
+    why=$(trusted_path "$image")
+    [[ -z $why ]] || die "SANA_CONTAINER_IMAGE=$image: not an image only you or root can change ($why); another user could replace what your job runs: use an image from $store or a .sqsh in a directory of yours"
     readlink -f "$image"
     return 0
   fi
-  local dest
-  dest=$(sqsh_path_of "$image")
-  import_image "$image" "$dest" >&2
-  echo "$dest"
+  if [[ $image =~ ^[^/@:]+(:[0-9]+)?/[a-z0-9._/-]+@sha256:([0-9a-f]{64})$ ]]; then
+    digest=${BASH_REMATCH[2]}
+  elif [[ $image =~ ^([^/@:]+(:[0-9]+)?/[a-z0-9._/-]+):([A-Za-z0-9_][A-Za-z0-9._-]{0,127})$ ]]; then
+    index=$store/by-tag/${BASH_REMATCH[1]}/${BASH_REMATCH[3]}
+    [[ -f $index ]] || die "SANA_CONTAINER_IMAGE=$image: not imported on this cluster; $import_hint"
+    why=$(trusted_path "$index")
+    [[ -z $why ]] || die "SANA_CONTAINER_IMAGE=$image: the tag index $index is not root's ($why); ask the platform team to re-import the image"
+    digest=$(sed -n 's/^sha256:\([0-9a-f]\{64\}\)$/\1/p' "$index")
+    [[ -n $digest ]] || die "SANA_CONTAINER_IMAGE=$image: $index holds no sha256 digest; ask the platform team to re-import the image"
+  else
+    die "SANA_CONTAINER_IMAGE=$image: not <registry>/<repo>:<tag>, <registry>/<repo>@sha256:<digest> or a .sqsh path (runbooks/containers.md)"
+  fi
+  local sqsh
+  sqsh=$(store_path_of "$digest")
+  [[ -f $sqsh ]] || die "SANA_CONTAINER_IMAGE=$image: sha256:$digest is not imported on this cluster; $import_hint"
+  why=$(trusted_path "$sqsh")
+  [[ -z $why ]] || die "SANA_CONTAINER_IMAGE=$image: $sqsh is not root's ($why); the image store must be root-only (lifecycle_scripts/container_runtime.sh)"
+  echo "$sqsh"
 }
 
 # --container-mounts: FSx (and the job's roots and the launcher where they lie outside it), the
@@ -329,15 +388,24 @@ run_job() {
   apply_defaults
   if [[ $kind == bench ]]; then bench_backend >/dev/null; fi # fail here on a bad SANA_BENCH_BACKEND
 
-  local run_name=${SLURM_JOB_NAME:-sana-$kind}
-  export SANA_JOB_LOG_DIR=$SANA_LOG_ROOT/$run_name-$SLURM_JOB_ID
+  local run_name=${SLURM_JOB_NAME:-sana-$kind} user
+  user=$(id -un)
+  # One user, one set of directories: logs, runs and compile caches live in <root>/<user>/,
+  # which the lifecycle makes for every cluster user and nobody else can write
+  # (lifecycle_scripts/shared_dirs.sh). Another user can then neither plant the weights
+  # `--resume auto` loads nor the kernels a job runs, nor rename or read a run.
+  export USER=$user
+  export SANA_JOB_LOG_DIR
+  SANA_JOB_LOG_DIR=$(own_dir "$SANA_LOG_ROOT" SANA_LOG_ROOT)/$run_name-$SLURM_JOB_ID || exit 1
   mkdir -p "$SANA_JOB_LOG_DIR" || die "cannot create $SANA_JOB_LOG_DIR; check SANA_LOG_ROOT"
   # Training writes into a run directory named after the Slurm job name, NOT the job id, so
   # a resubmitted job with the same name finds its checkpoints and `--resume auto` goes on.
-  export SANA_RUN_DIR=$SANA_CHECKPOINT_ROOT/$run_name
+  export SANA_RUN_DIR=$SANA_CHECKPOINT_ROOT/$user/$run_name
   if [[ $kind == gpu || $kind == trainium ]]; then
+    own_dir "$SANA_CHECKPOINT_ROOT" SANA_CHECKPOINT_ROOT >/dev/null || exit 1
     mkdir -p "$SANA_RUN_DIR" || die "cannot create $SANA_RUN_DIR; check SANA_CHECKPOINT_ROOT"
   fi
+  use_own_compile_caches "$kind"
   # Before the tee below: it may re-execute the pinned launcher, which starts its own.
   pin_job_environment "$kind" "$@"
   # Everything from here on (this script and every node's torchrun, labelled by srun) also

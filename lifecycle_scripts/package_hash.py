@@ -1,0 +1,76 @@
+"""The content hash a lifecycle package is uploaded and installed under (stdlib only).
+
+One implementation for both ends: the cluster stack names the upload prefix
+``s3://<lifecycle bucket>/lifecycle/<hash>/`` with it (stacks/cluster.py loads this file), and
+rollout.sh recomputes it on the node over what it fetched, so a prefix whose content is not
+what its name says is refused before root installs anything from it.
+
+    python3 package_hash.py LIFECYCLE_DIR TRAINING_DIR   -> prints the hash
+
+The hash: 16 hex digits of SHA-256 over, for each tree in order (lifecycle_scripts, then
+training), every uploaded file's "<tree name>/<relative path>\\0" followed by the SHA-256 of
+its bytes, files in sorted path order. Uploaded = not under a name matching EXCLUDED_NAMES
+(the BucketDeployment's exclude globs are the same list).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+#: Never uploaded (byte-code caches, tests, hidden files): the S3 deployment excludes the same.
+EXCLUDED_NAMES = ("__pycache__", "tests", ".*", "*.pyc")
+#: Tree names as the hash sees them (the repository's directory names).
+TREE_NAMES = ("lifecycle_scripts", "training")
+#: Written by the stack next to the scripts, not part of the hashed tree (it holds the hash).
+SETTINGS_FILE = "platform-settings.json"
+
+
+def excluded(rel: Path) -> bool:
+    """Whether a path (relative to its tree) is one the upload leaves out."""
+    return any(fnmatch.fnmatchcase(part, pattern) for part in rel.parts for pattern in EXCLUDED_NAMES)
+
+
+def package_files(root: Path) -> Iterator[Path]:
+    """Files of ``root`` that are uploaded, sorted by path (symlinks are followed, as CDK's asset copy does)."""
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and not excluded(path.relative_to(root)):
+            yield path
+
+
+def tree_digest(trees: list[tuple[str, Path]], *, skip: tuple[str, ...] = ()) -> str:
+    """16 hex digits over (tree name, relative path, content) of every uploaded file of ``trees``.
+
+    ``skip``: relative paths (within their tree, "name/rel") left out, e.g. the settings file
+    that sits beside the fetched lifecycle scripts but was never part of the hashed tree.
+    """
+    digest = hashlib.sha256()
+    for name, root in trees:
+        for path in package_files(root):
+            rel = f"{name}/{path.relative_to(root).as_posix()}"
+            if rel in skip:
+                continue
+            digest.update(f"{rel}\0".encode())
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()[:16]
+
+
+def package_hash(lifecycle_dir: Path, training_dir: Path) -> str:
+    """The hash of a repository checkout (what `cdk deploy` uploads) or of a fetched package."""
+    return tree_digest([(TREE_NAMES[0], lifecycle_dir), (TREE_NAMES[1], training_dir)],
+                       skip=(f"{TREE_NAMES[0]}/{SETTINGS_FILE}",))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: package_hash.py LIFECYCLE_DIR TRAINING_DIR", file=sys.stderr)
+        return 2
+    print(package_hash(Path(argv[0]), Path(argv[1])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
