@@ -5,16 +5,18 @@
 # small SPANK plugin standing in for HyperPod's --auto-resume option) and shellcheck; and what
 # the image test builds and runs a training image with (tests/containers): mmdebstrap (the
 # Debian minbase base image), buildah + podman (the builders, chroot isolation) and
-# squashfs-tools (mksquashfs/unsquashfs with enroot's options). Skips apt entirely when all
-# are present.
+# squashfs-tools (mksquashfs/unsquashfs with enroot's options); iptables + iproute2: the IMDS
+# test (tests/lifecycle/test_imds_block.py) installs the lifecycle's real iptables rules inside
+# network namespaces of its own (`ip netns`). Skips apt entirely when all are present.
 set -euo pipefail
 
-readonly PACKAGES=(slurm-wlm munge mariadb-server slurmdbd gcc shellcheck mmdebstrap buildah podman squashfs-tools)
+readonly PACKAGES=(slurm-wlm munge mariadb-server slurmdbd gcc shellcheck mmdebstrap buildah podman squashfs-tools
+  iptables iproute2)
 
 all_present() {
   local tool
   for tool in slurmctld slurmd munged mariadbd mariadb-install-db slurmdbd sacct shellcheck cc \
-    mmdebstrap buildah podman mksquashfs unsquashfs; do
+    mmdebstrap buildah podman mksquashfs unsquashfs iptables ip6tables iptables-restore ip; do
     command -v "$tool" >/dev/null || return 1
   done
 }

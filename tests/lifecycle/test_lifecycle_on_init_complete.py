@@ -120,10 +120,12 @@ def test_profile_defines_the_job_environment_per_role(cluster, node):
     assert {k: env[k] for k in CONTRACT_VARS} == {
         "SANA_ROLE": role(node), "SANA_FSX": fsx, "SANA_PLATFORM_DIR": f"{fsx}/platform/current",
         "SANA_ENV_GPU": f"{fsx}/envs/gpu", "SANA_ENV_NEURON": f"{fsx}/envs/neuron",
-        "SANA_CHECKPOINT_ROOT": f"{fsx}/checkpoints", "SANA_LOG_ROOT": f"{fsx}/logs",
+        "SANA_CHECKPOINT_ROOT": f"{fsx}/artefacts/checkpoints", "SANA_LOG_ROOT": f"{fsx}/logs",
         "SANA_DATA_ROOT": f"{fsx}/data", "SANA_RDZV_PORT": "29500",
         "SANA_ARTEFACTS_BUCKET": "sana-artefacts-test", "SANA_DATA_BUCKET": "sana-data-test"}
-    assert env["NEURON_COMPILE_CACHE_URL" if role(node) == "trn" else "SANA_CACHE_ROOT"].startswith(fsx)
+    assert env["SANA_CACHE_ROOT"] == f"{fsx}/cache"
+    # No shared compile cache in the profile: launch.sh picks the user's own one per job.
+    assert "NEURON_COMPILE_CACHE_URL" not in env
     assert env["AWS_DEFAULT_REGION"] == "eu-west-1"
     efa = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
     if role(node) == "gpu":
@@ -132,7 +134,6 @@ def test_profile_defines_the_job_environment_per_role(cluster, node):
         assert not [k for k in env if k.startswith("NEURON_")]
     elif role(node) == "trn":
         assert efa.items() <= env.items()
-        assert env["NEURON_COMPILE_CACHE_URL"] == f"{fsx}/cache/neuron"
         assert env["NEURON_CC_FLAGS"] == "--model-type=transformer"
         assert env["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
         assert env["MALLOC_ARENA_MAX"] == "64"
@@ -160,9 +161,13 @@ def test_shared_directories_exist_with_their_owners_and_modes(cluster):
     c, _, _ = cluster
     gid = GROUP[1]
     expected = {"envs": (0, 0, 0o755), "platform": (0, 0, 0o755), "logs/provision": (0, 0, 0o755),
-                "data": (0, gid, 0o2775), "checkpoints": (0, gid, 0o2775), "logs": (0, gid, 0o2775),
-                "logs/slurm": (0, gid, 0o2775), "cache": (0, 0, 0o1777), "cache/neuron": (0, 0, 0o1777),
-                "home": (0, 0, 0o755)}
+                "data": (0, gid, 0o3775), "artefacts": (0, gid, 0o3775), "logs": (0, 0, 0o1755),
+                "logs/root": (0, 0, 0o700), "artefacts/checkpoints": (0, 0, 0o755), "cache": (0, 0, 0o755),
+                "cache/inductor": (0, 0, 0o755), "cache/neuron": (0, 0, 0o755), "home": (0, 0, 0o755)}
+    # One private directory per cluster user in every tree that holds a user's runs.
+    for name, uid in USERS.items():
+        for tree in ("logs", "artefacts/checkpoints", "cache/inductor", "cache/neuron"):
+            expected[f"{tree}/{name}"] = (uid, gid, 0o700)
     got = {d: ((st := (c.fsx / d).stat()).st_uid, st.st_gid, st.st_mode & 0o7777) for d in expected}
     assert got == expected
 
@@ -415,7 +420,7 @@ def test_bad_settings_fail_in_the_settings_step(make_cluster, edit, expected):
 
 @pytest.mark.parametrize("obstacle,step,expected", [
     # Something the scripts do not anticipate still fails in one line naming the command.
-    ("envs-is-a-file", "dirs", r"command failed with status 1 at shared_dirs\.sh:\d+: mkdir -p \"\$dir\" +-> mkdir: .*/fsx/envs.*File exists"),
+    ("envs-is-a-file", "dirs", r".*/fsx/envs exists and is not a directory; move it away so the platform can manage it"),
     ("current-is-a-directory", "package", r".*/fsx/platform/current exists and is not a symlink; move it away.*"),
 ])
 def test_unexpected_state_on_fsx_fails_in_one_line(make_cluster, obstacle, step, expected):
