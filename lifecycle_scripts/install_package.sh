@@ -29,7 +29,7 @@ else
   incoming=$(mktemp -d "$platform_dir/.incoming-$CFG_PACKAGE_HASH.XXXXXX")
   cp -R "$source_dir" "$incoming/training"
   mkdir "$incoming/lifecycle"
-  cp "$LIFECYCLE_DIR"/*.sh "$LIFECYCLE_DIR/platform-settings.json" "$incoming/lifecycle/"
+  cp "$LIFECYCLE_DIR"/*.sh "$LIFECYCLE_DIR"/*.py "$LIFECYCLE_DIR/platform-settings.json" "$incoming/lifecycle/"
   chmod -R u+rwX,go+rX,go-w "$incoming"
   # rename(2) fails if another node renamed its copy first; theirs is as good as ours.
   if mv -T "$incoming" "$dest" 2>/dev/null; then

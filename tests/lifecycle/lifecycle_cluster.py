@@ -171,10 +171,13 @@ def build_wheel(dist: Path, name: str) -> Path:
 
 
 def make_bundle(dest: Path, wheels: dict[str, Path], *, package_hash: str,
-                gpu_requirements: str | None = None) -> Path:
-    """What HyperPod downloads from s3://<bucket>/lifecycle/<hash>/ onto every node."""
+                gpu_requirements: str | None = None, content_hash: bool = False) -> Path:
+    """What HyperPod downloads from s3://<bucket>/lifecycle/<hash>/ onto every node.
+
+    ``package_hash`` is the package's name and VERSION; with ``content_hash`` the settings carry
+    the real content hash instead (lifecycle_scripts/package_hash.py, what the cluster stack names
+    the prefix with and rollout.sh recomputes): ``bundle_hash(dest)`` reads it back."""
     shutil.copytree(SCRIPTS, dest)
-    (dest / "platform-settings.json").write_text(json.dumps(settings(package_hash), indent=2))
     package = dest / "training"
     package.mkdir()
     (package / "__init__.py").write_text(f'"""Stand-in training package {package_hash}."""\nVERSION = "{package_hash}"\n')
@@ -182,7 +185,23 @@ def make_bundle(dest: Path, wheels: dict[str, Path], *, package_hash: str,
         gpu_requirements if gpu_requirements is not None else f"# gpu env (test)\n{wheels['torch']}\n")
     (package / "requirements-neuron.txt").write_text(
         f"{wheels['torch']}\n{wheels['torch_xla']}\n{wheels['torch_neuronx']}\n")
+    name = _hash_module().package_hash(SCRIPTS, package) if content_hash else package_hash
+    (dest / "platform-settings.json").write_text(json.dumps(settings(name), indent=2))
     return dest
+
+
+def bundle_hash(bundle: Path) -> str:
+    """The package hash a bundle's settings carry."""
+    return json.loads((bundle / "platform-settings.json").read_text())["package_hash"]
+
+
+def _hash_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sana_package_hash", SCRIPTS / "package_hash.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def upload_bundle(bundle: Path, endpoint: str, bucket: str, prefix: str) -> None:

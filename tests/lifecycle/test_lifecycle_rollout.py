@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from lifecycle_cluster import Cluster, make_bundle, upload_bundle
+from lifecycle_cluster import Cluster, bundle_hash, make_bundle, settings, upload_bundle
 
 ROLLOUT_LINE = re.compile(r"^\S+Z \[rollout\] (ROLLED OUT|PENDING|FAILED)\b(.*)$")
 
@@ -47,6 +47,27 @@ def boot(c: Cluster) -> Cluster:
     return c
 
 
+@pytest.fixture(scope="module")
+def lifecycle_bucket(s3_endpoint) -> str:
+    """This cluster's lifecycle bucket (platform-settings.json lifecycle_bucket) on the loopback S3:
+    the only bucket the rollout accepts."""
+    import boto3
+
+    name = settings("x")["lifecycle_bucket"]
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    if name not in {b["Name"] for b in s3.list_buckets()["Buckets"]}:
+        s3.create_bucket(Bucket=name)
+    return name
+
+
+def upload_new(c: Cluster, wheels, endpoint: str, bucket: str, label: str, **kwargs) -> tuple[Path, str]:
+    """A new package as `cdk deploy` uploads it: under lifecycle/<its content hash>/."""
+    bundle = make_bundle(c.base / f"bundle-{label}", wheels, package_hash=label, content_hash=True, **kwargs)
+    h = bundle_hash(bundle)
+    upload_bundle(bundle, endpoint, bucket, f"lifecycle/{h}/")
+    return bundle, h
+
+
 @pytest.fixture
 def booted(make_cluster) -> Cluster:
     return boot(make_cluster(package_hash="pkg0001"))
@@ -60,17 +81,16 @@ def shared_booted(tmp_path_factory, standins, wheels) -> Cluster:
 
 
 @pytest.mark.slow
-def test_rollout_flips_current_keeps_the_old_package_and_is_idempotent(booted, wheels, s3_endpoint, s3_bucket):
+def test_rollout_flips_current_keeps_the_old_package_and_is_idempotent(booted, wheels, s3_endpoint, lifecycle_bucket):
     c = booted
     envs = c.fsx / "envs"
     old_gpu, old_neuron = os.readlink(envs / "gpu"), os.readlink(envs / "neuron")
     # What a job running now resolved at its start (launch.sh: readlink -f, once per job).
     running_package = (c.fsx / "platform/current").resolve()
     running_env = (envs / "gpu").resolve()
-    new = make_bundle(c.base / "bundle-pkg0002", wheels, package_hash="pkg0002",
-                      gpu_requirements=f"# pkg0002 changes the GPU requirements\n{wheels['torch']}\n")
-    upload_bundle(new, s3_endpoint, s3_bucket, "lifecycle/pkg0002/")
-    uri = f"s3://{s3_bucket}/lifecycle/pkg0002/"
+    _, new = upload_new(c, wheels, s3_endpoint, lifecycle_bucket, "pkg0002",
+                        gpu_requirements=f"# pkg0002 changes the GPU requirements\n{wheels['torch']}\n")
+    uri = f"s3://{lifecycle_bucket}/lifecycle/{new}/"
 
     # On a GPU node: fetch + the new GPU env; current waits for the Neuron side.
     result, outcome, rest = rollout(c, "gpu-1", uri)
@@ -80,17 +100,17 @@ def test_rollout_flips_current_keeps_the_old_package_and_is_idempotent(booted, w
     assert os.readlink(envs / "gpu") == old_gpu  # built beside the old one, not switched yet
     new_gpu = [p.name for p in envs.glob("gpu-*") if p.name != old_gpu]
     assert len(new_gpu) == 1 and (envs / new_gpu[0] / ".sana-env-ready").exists()
-    assert package_version(c.fsx / "platform/pkg0002") == "pkg0002"
-    assert (c.fsx / "platform/pkg0002/lifecycle/rollout.sh").exists()
-    assert (c.fsx / "platform/pkg0002").stat().st_mode & 0o777 == 0o755
+    assert package_version(c.fsx / f"platform/{new}") == "pkg0002"
+    assert (c.fsx / f"platform/{new}/lifecycle/rollout.sh").exists()
+    assert (c.fsx / f"platform/{new}").stat().st_mode & 0o777 == 0o755
 
-    # On a trn node: the Neuron requirements did not change, so nothing is built; then the flip.
-    result, outcome, rest = rollout(c, "trn-1", uri)
+    # On a trn node, with the bare hash: the Neuron requirements did not change, so nothing is built; then the flip.
+    result, outcome, rest = rollout(c, "trn-1", new)
     assert outcome == "ROLLED OUT", result.stdout[-3000:]
     assert "building env" not in result.stdout and "already built and ready" in result.stdout
-    assert os.readlink(c.fsx / "platform/current") == "pkg0002"
+    assert os.readlink(c.fsx / "platform/current") == new
     assert (os.readlink(envs / "gpu"), os.readlink(envs / "neuron")) == (new_gpu[0], old_neuron)
-    assert f"current -> pkg0002 (was pkg0001), gpu->{new_gpu[0]} neuron->{old_neuron}" in rest
+    assert f"current -> {new} (was pkg0001), gpu->{new_gpu[0]} neuron->{old_neuron}" in rest
     # The running job's resolved paths are untouched.
     assert package_version(running_package) == "pkg0001" and (running_env / ".sana-env-ready").exists()
     assert not list((c.fsx / "platform").glob(".incoming-*"))
@@ -103,36 +123,108 @@ def test_rollout_flips_current_keeps_the_old_package_and_is_idempotent(booted, w
     before = {p: os.readlink(p) for p in (c.fsx / "platform/current", envs / "gpu", envs / "neuron")}
     for node in ("gpu-1", "trn-1"):
         result, outcome, _ = rollout(c, node, uri)
-        assert outcome == "ROLLED OUT" and "package pkg0002 is already at" in result.stdout
+        assert outcome == "ROLLED OUT" and f"package {new} is already at" in result.stdout
         assert "building env" not in result.stdout and "fetched" not in result.stdout
     assert {p: os.readlink(p) for p in before} == before
     assert sorted(p.name for p in (c.fsx / "platform").iterdir() if not p.name.startswith(".")) == \
-        ["current", "pkg0001", "pkg0002"]
+        sorted(["current", "pkg0001", new])
+
+
+HASH = "0123456789abcdef"
 
 
 @pytest.mark.parametrize("target,expected", [
-    ("s3://{bucket}/lifecycle/nohash/",
-     r"s3://{bucket}/lifecycle/nohash/ holds no objects: no package was uploaded under that hash; "
+    ("s3://{bucket}/lifecycle/" + HASH + "/",
+     r"s3://{bucket}/lifecycle/" + HASH + r"/ holds no objects: no package was uploaded under that hash; "
      r"`cdk deploy` uploads it \(list the hashes with: aws s3 ls s3://{bucket}/lifecycle/\)"),
-    ("s3://no-such-bucket-here/lifecycle/pkg0002/",
-     r"cannot read s3://no-such-bucket-here/lifecycle/pkg0002/: NoSuchBucket: .+"),
-    ("s3:/typo/pkg0002", r"'s3:/typo/pkg0002' is neither a package hash nor an s3:// prefix"),
+    ("s3:/typo/" + HASH, r"'s3:/typo/" + HASH + r"' is neither a package hash \(16 hex digits, the end of the "
+     r"cluster stack's LifecycleUri output\) nor an s3:// prefix"),
+    ("pkg0002", r"'pkg0002' is neither a package hash .*"),
 ])
-def test_bad_prefix_fails_in_one_line_and_changes_nothing(shared_booted, s3_endpoint, s3_bucket, target, expected):
+def test_bad_prefix_fails_in_one_line_and_changes_nothing(shared_booted, lifecycle_bucket, target, expected):
     c = shared_booted
-    result, outcome, rest = rollout(c, "gpu-1", target.format(bucket=s3_bucket))
+    result, outcome, rest = rollout(c, "gpu-1", target.format(bucket=lifecycle_bucket))
     assert (result.returncode, outcome) == (1, "FAILED")
-    assert re.fullmatch(": " + expected.format(bucket=re.escape(s3_bucket)), rest), rest
+    assert re.fullmatch(": " + expected.format(bucket=re.escape(lifecycle_bucket)), rest), rest
+    assert_nothing_installed(c)
+
+
+def assert_nothing_installed(c: Cluster) -> None:
     assert os.readlink(c.fsx / "platform/current") == "pkg0001"
     assert sorted(p.name for p in (c.fsx / "platform").iterdir() if not p.name.startswith(".")) == ["current", "pkg0001"]
     assert not list((c.fsx / "platform").glob(".incoming-*"))
 
 
-def test_prefix_holding_another_hash_is_refused(shared_booted, wheels, s3_endpoint, s3_bucket):
+@pytest.mark.parametrize("where", ["another bucket", "another prefix", "a deeper prefix"])
+def test_a_prefix_outside_this_clusters_lifecycle_bucket_is_refused_before_any_fetch(
+        shared_booted, wheels, s3_endpoint, s3_bucket, lifecycle_bucket, where):
+    """A package anyone else could have written (another bucket, or elsewhere in this one) is never
+    fetched: root would run its pip and its code for every later job."""
+    c = shared_booted
+    bundle = make_bundle(c.base / f"bundle-foreign-{where.replace(' ', '-')}", wheels, package_hash="evil",
+                         content_hash=True)
+    h = bundle_hash(bundle)
+    bucket, key = {"another bucket": (s3_bucket, f"lifecycle/{h}/"),
+                   "another prefix": (lifecycle_bucket, f"uploads/{h}/"),
+                   "a deeper prefix": (lifecycle_bucket, f"lifecycle/x/{h}/")}[where]
+    upload_bundle(bundle, s3_endpoint, bucket, key)
+    result, outcome, rest = rollout(c, "gpu-1", f"s3://{bucket}/{key}")
+    assert outcome == "FAILED" and rest == (
+        f": 's3://{bucket}/{key}' is not this cluster's lifecycle prefix s3://{lifecycle_bucket}/lifecycle/<hash>/; "
+        "the rollout installs only packages `cdk deploy` uploaded there (the cluster stack's LifecycleUri output)")
+    assert "fetch" not in result.stdout
+    assert_nothing_installed(c)
+
+
+def test_prefix_holding_another_hash_is_refused(shared_booted, wheels, s3_endpoint, lifecycle_bucket):
     """A prefix whose settings name another package (copied by hand, a typo'd key) is not installed."""
     c = shared_booted
-    upload_bundle(make_bundle(c.base / "bundle-x", wheels, package_hash="pkg0003"), s3_endpoint, s3_bucket, "lifecycle/pkg0002/")
-    result, outcome, rest = rollout(c, "gpu-1", "pkg0002".join(["s3://" + s3_bucket + "/lifecycle/", "/"]))
-    assert outcome == "FAILED" and "holds the package of hash pkg0003, not pkg0002" in rest
-    assert not (c.fsx / "platform/pkg0002").exists() and not list((c.fsx / "platform").glob(".incoming-*"))
-    assert os.readlink(c.fsx / "platform/current") == "pkg0001"
+    other = make_bundle(c.base / "bundle-x", wheels, package_hash="pkg0003", content_hash=True)
+    upload_bundle(other, s3_endpoint, lifecycle_bucket, f"lifecycle/{HASH}/")
+    result, outcome, rest = rollout(c, "gpu-1", f"s3://{lifecycle_bucket}/lifecycle/{HASH}/")
+    assert outcome == "FAILED" and f"holds the package of hash {bundle_hash(other)}, not {HASH}" in rest
+    assert not (c.fsx / f"platform/{HASH}").exists()
+    assert_nothing_installed(c)
+
+
+@pytest.mark.parametrize("tamper", ["changed file", "extra test file"])
+def test_content_that_does_not_hash_to_the_prefix_is_refused(shared_booted, wheels, s3_endpoint, lifecycle_bucket,
+                                                             tamper):
+    """Files changed after `cdk deploy` (or added under a name the stack never uploads) under a
+    genuine prefix: the recomputed hash differs, nothing is installed."""
+    import boto3
+
+    c = shared_booted
+    bundle = make_bundle(c.base / f"bundle-t-{tamper.replace(' ', '-')}", wheels, package_hash="pkg0004",
+                         content_hash=True)
+    h = bundle_hash(bundle)
+    if tamper == "changed file":
+        (bundle / "training/__init__.py").write_text('VERSION = "pkg0004"\nimport os; os.system("id")\n')
+    else:
+        (bundle / "training/tests").mkdir()
+        (bundle / "training/tests/conftest.py").write_text("import os\n")
+    prefix = f"lifecycle/{h}/"
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    for obj in s3.list_objects_v2(Bucket=lifecycle_bucket, Prefix=prefix).get("Contents", []):
+        s3.delete_object(Bucket=lifecycle_bucket, Key=obj["Key"])
+    upload_bundle(bundle, s3_endpoint, lifecycle_bucket, prefix)
+    result, outcome, rest = rollout(c, "gpu-1", h)
+    assert outcome == "FAILED", result.stdout[-2000:]
+    if tamper == "changed file":
+        assert re.fullmatch(rf": s3://{lifecycle_bucket}/{prefix} holds files whose content hash is [0-9a-f]{{16}}, "
+                            rf"not {h}: changed after `cdk deploy` uploaded them; nothing was installed", rest), rest
+    else:
+        assert rest == (f": s3://{lifecycle_bucket}/{prefix} holds '{prefix}training/tests/conftest.py', a name the "
+                        "cluster stack never uploads (caches, tests, hidden files); it was not uploaded by `cdk deploy`")
+    assert not (c.fsx / f"platform/{h}").exists()
+    assert_nothing_installed(c)
+
+
+def test_the_rollout_writes_only_in_root_only_directories(shared_booted):
+    """Where rollout.sh and rollout.sbatch's output write, no cluster user can put a link first."""
+    c = shared_booted
+    for rel in ("platform", "platform/.locks", "envs", "envs/.locks", "logs/root"):
+        st = (c.fsx / rel).stat()
+        assert st.st_uid == 0 and not st.st_mode & 0o022, rel
+    header = (Path(__file__).parents[2] / "training/slurm/rollout.sbatch").read_text()
+    assert "#SBATCH --output=/fsx/logs/%u/%x-%j.out\n" in header  # %u = root for `sudo sbatch`
