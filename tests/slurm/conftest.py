@@ -174,6 +174,9 @@ class SlurmCluster:
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     #: who the tests submit as (`sbatch(..., user=cluster.user)`); None until booted
     job_user: JobUser | None = None
+    #: a second cluster user in the same group (the isolation tests' "user B"); None when the
+    #: tests do not run as root (then there is only the one user they run as)
+    other_user: JobUser | None = None
     #: True when slurmctld stores jobs in slurmdbd/MariaDB (then `sacct` works)
     accounting: bool = False
     #: why there is no accounting (the missing binaries), for the test that needs it
@@ -370,11 +373,23 @@ def _create_job_user(root: Path) -> JobUser:
     return JobUser(name=name, uid=entry.pw_uid, gid=entry.pw_gid, group=name, home=home, created=True)
 
 
+def _create_other_user(first: JobUser) -> JobUser | None:
+    """A second account in the first one's group, as two researchers share the cluster group."""
+    if not first.created:
+        return None
+    name = f"{first.name}b"
+    home = first.home.parent / name
+    subprocess.run(["useradd", "--gid", first.group, "--home-dir", str(home), "--create-home",
+                    "--shell", "/bin/bash", name], check=True, capture_output=True)
+    entry = pwd.getpwnam(name)
+    return JobUser(name=name, uid=entry.pw_uid, gid=entry.pw_gid, group=first.group, home=home, created=True)
+
+
 def _remove_job_user(user: JobUser | None) -> None:
     if user is None or not user.created:
         return
     subprocess.run(["userdel", user.name], capture_output=True)
-    subprocess.run(["groupdel", user.group], capture_output=True)
+    subprocess.run(["groupdel", user.group], capture_output=True)  # refused while another member remains
 
 
 def _prepare_accounting(root: Path) -> tuple[int | None, str]:
@@ -533,6 +548,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
                            accounting=dbd_port is not None, no_accounting_reason=no_accounting)
     try:
         cluster.job_user = _create_job_user(root)
+        cluster.other_user = _create_other_user(cluster.job_user)
         if cluster.auto_resume_record is not None:
             # The stub appends from inside the job's tasks, i.e. as the job's user.
             cluster.auto_resume_record.touch()
@@ -540,6 +556,7 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         _boot(cluster, dbd_port=dbd_port)
     except Exception as exc:  # noqa: BLE001 - reported with the daemon logs
         cluster.stop()
+        _remove_job_user(cluster.other_user)
         _remove_job_user(cluster.job_user)
         reason = f"Slurm daemons did not start: {exc}\n{cluster.logs()}"
         shutil.rmtree(root, ignore_errors=True)
@@ -554,5 +571,6 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         else:
             os.environ["SLURM_CONF"] = saved
         cluster.stop()
+        _remove_job_user(cluster.other_user)
         _remove_job_user(cluster.job_user)
         shutil.rmtree(root, ignore_errors=True)

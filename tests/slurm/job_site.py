@@ -72,6 +72,18 @@ def write_node_profile(node_root: Path, *, role: str, fsx: Path, rdzv_port: int)
     return node_root / "etc" / "profile.d" / "sana-platform.sh"
 
 
+def lay_out_fsx(fsx: Path, users: list, gid: int) -> None:
+    """FSx's shared and per-user directories exactly as provisioning makes them:
+    lifecycle_scripts/shared_dirs.sh run for real (as root) for ``users`` (JobUser objects) and
+    the cluster group ``gid``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SANA_", "CFG_"))}
+    env.update(FSX=str(fsx), CFG_CLUSTER_GID=str(gid), HOME_ROOT_DIR=str(fsx / "home"),
+               CFG_CLUSTER_USERS=" ".join(f"{u.name}:{u.uid}" for u in users))
+    proc = subprocess.run(["bash", str(REPO / "lifecycle_scripts" / "shared_dirs.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, f"lifecycle_scripts/shared_dirs.sh failed: {proc.stdout}{proc.stderr}"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

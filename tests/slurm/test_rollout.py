@@ -5,7 +5,7 @@ real by on_init_complete.sh under a PLATFORM_ROOT, tests/lifecycle/lifecycle_clu
 the package comes from the loopback S3, so the job runs exactly what an operator's
 `sudo sbatch --partition=... rollout.sbatch <hash>` runs: rollout.sh from the current package on
 FSx. One job per partition (gpu, then trn): the first leaves `current` alone (PENDING), the
-second flips it; a job for a missing prefix ends FAILED with one line.
+second flips it; a job for a prefix outside this cluster's lifecycle bucket ends FAILED with one line.
 """
 
 from __future__ import annotations
@@ -18,7 +18,15 @@ from typing import TYPE_CHECKING
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lifecycle"))
-from lifecycle_cluster import Cluster, build_wheel, make_bundle, make_standins, upload_bundle  # noqa: E402
+from lifecycle_cluster import (  # noqa: E402
+    Cluster,
+    build_wheel,
+    bundle_hash,
+    make_bundle,
+    make_standins,
+    settings,
+    upload_bundle,
+)
 
 if TYPE_CHECKING:  # conftest modules are not importable by name (several share it)
     from tests.slurm.conftest import SlurmCluster
@@ -56,35 +64,57 @@ def submit(slurm: SlurmCluster, c: Cluster, node: str, partition: str, target: s
 
 
 def test_rollout_jobs_on_both_partitions_flip_current(slurm_cluster: SlurmCluster, pretend, s3_endpoint,
-                                                      s3_bucket, tmp_path: Path):
+                                                      tmp_path: Path):
+    import boto3
+
     c, wheels = pretend
+    bucket = settings("x")["lifecycle_bucket"]  # the only bucket the rollout accepts: this cluster's
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    if bucket not in {b["Name"] for b in s3.list_buckets()["Buckets"]}:
+        s3.create_bucket(Bucket=bucket)
     # The package on FSx carries this repository's job script (the stand-in package has none).
     (c.fsx / "platform/pkg0001/training/slurm").mkdir(parents=True, exist_ok=True)
     (c.fsx / "platform/pkg0001/training/slurm/rollout.sbatch").write_bytes(SBATCH.read_bytes())
-    new = make_bundle(tmp_path / "bundle-pkg0002", wheels, package_hash="pkg0002",
+    new = make_bundle(tmp_path / "bundle-pkg0002", wheels, package_hash="pkg0002", content_hash=True,
                       gpu_requirements=f"# pkg0002\n{wheels['torch']}\n")
     (new / "training/slurm").mkdir()
     (new / "training/slurm/rollout.sbatch").write_bytes(SBATCH.read_bytes())
-    upload_bundle(new, s3_endpoint, s3_bucket, "lifecycle/pkg0002/")
-    uri = f"s3://{s3_bucket}/lifecycle/pkg0002/"
+    # The hash covers every uploaded file, the job script added above included.
+    h = json_rehash(new)
+    assert h != "pkg0002" and bundle_hash(new) == h
+    upload_bundle(new, s3_endpoint, bucket, f"lifecycle/{h}/")
+    uri = f"s3://{bucket}/lifecycle/{h}/"
     out_dir = tmp_path / "slurm-out"
     out_dir.mkdir()
 
     info, log = submit(slurm_cluster, c, "gpu-1", "gpu", uri, out_dir)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
     assert "rollout.sbatch: job " in log and "(partition gpu)" in log
-    assert "[rollout] PENDING pkg0002" in log.strip().splitlines()[-1]
+    assert f"[rollout] PENDING {h}" in log.strip().splitlines()[-1]
     assert os.readlink(c.fsx / "platform/current") == "pkg0001"
 
     info, log = submit(slurm_cluster, c, "trn-1", "trn", uri, out_dir)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log[-3000:]
-    assert "[rollout] ROLLED OUT pkg0002: current -> pkg0002 (was pkg0001)" in log.strip().splitlines()[-1]
-    assert os.readlink(c.fsx / "platform/current") == "pkg0002"
+    assert f"[rollout] ROLLED OUT {h}: current -> {h} (was pkg0001)" in log.strip().splitlines()[-1]
+    assert os.readlink(c.fsx / "platform/current") == h
     assert (c.fsx / "platform/pkg0001/training/__init__.py").exists()  # never deleted
 
-    # A prefix nothing was uploaded under: the job fails, its output ends in the one line.
-    info, log = submit(slurm_cluster, c, "gpu-1", "gpu", f"s3://{s3_bucket}/lifecycle/nohash/", out_dir)
+    # A prefix outside this cluster's lifecycle bucket: the job fails, its output ends in the one line.
+    info, log = submit(slurm_cluster, c, "gpu-1", "gpu", f"s3://other-bucket/lifecycle/{h}/", out_dir)
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), log[-3000:]
     last = log.strip().splitlines()[-1]
-    assert f"[rollout] FAILED: s3://{s3_bucket}/lifecycle/nohash/ holds no objects" in last
-    assert os.readlink(c.fsx / "platform/current") == "pkg0002"
+    assert f"[rollout] FAILED: 's3://other-bucket/lifecycle/{h}/' is not this cluster's lifecycle prefix" in last
+    assert os.readlink(c.fsx / "platform/current") == h
+
+
+def json_rehash(bundle: Path) -> str:
+    """Re-name a bundle whose files changed after make_bundle by its content hash (as `cdk deploy` would)."""
+    import json
+
+    from lifecycle_cluster import SCRIPTS, _hash_module
+
+    h = _hash_module().package_hash(SCRIPTS, bundle / "training")
+    data = json.loads((bundle / "platform-settings.json").read_text())
+    data["package_hash"] = h
+    (bundle / "platform-settings.json").write_text(json.dumps(data, indent=2))
+    return h

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from tests.conftest import skip_or_fail
 
 REPO = Path(__file__).resolve().parents[2]
+ME = pwd.getpwuid(os.getuid()).pw_name  # launch.sh keeps a job's logs in <log root>/<user>/
 SLURM_DIR = REPO / "training" / "slurm"
 SCRIPTS = sorted([*SLURM_DIR.glob("*.sbatch"), *SLURM_DIR.glob("*.sh")])
 PARTITIONS = {"train-gpu.sbatch": "gpu", "train-trainium.sbatch": "trn", "precompute.sbatch": "gpu",
@@ -37,9 +39,11 @@ def header(path: Path) -> dict[str, str]:
 
 @pytest.mark.parametrize("path", sorted(SLURM_DIR.glob("*.sbatch")), ids=lambda p: p.name)
 def test_every_job_script_appends_slurms_output_under_fsx_logs(path):
-    """Contract: absolute, under the shared /fsx/logs (never the package tree or the cwd),
-    appended so a requeue (HyperPod auto-resume) keeps the earlier output."""
-    assert header(path)["output"] == "/fsx/logs/slurm/%x-%j.out"
+    """Contract: absolute, in the submitting user's own /fsx/logs/<user>/ (%u; never the package
+    tree, the cwd or a directory another user can write, where a planted link would redirect
+    the output of root's rollout job), appended so a requeue (HyperPod auto-resume) keeps the
+    earlier output."""
+    assert header(path)["output"] == "/fsx/logs/%u/%x-%j.out"
     assert header(path)["open-mode"] == "append"
 
 
@@ -101,7 +105,7 @@ def test_first_start_pins_the_resolved_package_and_env_with_their_hashes(tmp_pat
     (bin_dir / "srun").chmod(0o755)
     # A first start (no SLURM_RESTART_COUNT) pins afresh over a stale file (an earlier
     # cluster's job with the same name and id).
-    stale = tmp_path / "fsx" / "logs" / "pin-7" / "pinned-env"
+    stale = tmp_path / "fsx" / "logs" / ME / "pin-7" / "pinned-env"
     stale.parent.mkdir(parents=True)
     stale.write_text("SANA_PACKAGE_ROOT=/nowhere\nSANA_ENV_PATH=/nowhere\n")
     env = launcher_env(tmp_path, PATH=f"{bin_dir}:{os.environ['PATH']}")
@@ -109,7 +113,7 @@ def test_first_start_pins_the_resolved_package_and_env_with_their_hashes(tmp_pat
                           env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     pinned = dict(line.split("=", 1) for line in
-                  (tmp_path / "fsx" / "logs" / "pin-7" / "pinned-env").read_text().splitlines())
+                  (tmp_path / "fsx" / "logs" / ME / "pin-7" / "pinned-env").read_text().splitlines())
     assert pinned == {"SANA_PACKAGE_ROOT": str(REPO), "SANA_PACKAGE_HASH": pinned["SANA_PACKAGE_HASH"],
                       "SANA_ENV_PATH": str(envs / "gpu-abcdef012345"), "SANA_ENV_HASH": "abcdef012345"}
     assert re.fullmatch(r"tree-[0-9a-f]{12}", pinned["SANA_PACKAGE_HASH"])  # a checkout, not /fsx/platform/<hash>
@@ -118,7 +122,7 @@ def test_first_start_pins_the_resolved_package_and_env_with_their_hashes(tmp_pat
 
 
 def test_a_rerun_whose_pinned_package_is_gone_fails_in_one_line(tmp_path):
-    logs = tmp_path / "fsx" / "logs" / "pin-7"
+    logs = tmp_path / "fsx" / "logs" / ME / "pin-7"
     logs.mkdir(parents=True)
     gone = tmp_path / "fsx" / "platform" / "0123456789ab"
     (logs / "pinned-env").write_text(f"SANA_PACKAGE_ROOT={gone}\nSANA_PACKAGE_HASH=0123456789ab\n"

@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import xla_python
 from tests.slurm.conftest import install_package, point_current
-from tests.slurm.job_site import free_port, make_env, write_node_profile
+from tests.slurm.job_site import free_port, lay_out_fsx, make_env, write_node_profile
 from training.smoke import FAIL, PASS, checks
 
 if TYPE_CHECKING:  # conftest modules are not importable by name (several share it)
@@ -54,21 +54,20 @@ def test_node_state_check_reads_real_sinfo_and_fails_on_a_drained_node(slurm_clu
 
 @pytest.fixture
 def site(slurm_cluster: SlurmCluster) -> Iterator[Path]:
-    """A temp "FSx" laid out as on the cluster: /fsx/logs (and logs/slurm) root:<job user's
-    group> 2775, the package installed root-owned and read-only under platform/<hash> with
-    `current` pointing at it. Not tmp_path: pytest's base dir is 0700, the job user could
-    not reach it."""
+    """A temp "FSx" laid out as on the cluster: the directories lifecycle_scripts/shared_dirs.sh
+    makes (the job user's own logs/<user>/, root's logs/provision), the package installed
+    root-owned and read-only under platform/<hash> with `current` pointing at it. Not tmp_path:
+    pytest's base dir is 0700, the job user could not reach it."""
     root = Path(tempfile.mkdtemp(prefix="sana-smoke-"))
     root.chmod(0o755)
     fsx = root / "fsx"
     fsx.mkdir(mode=0o755)
     user = slurm_cluster.job_user
-    for sub in ("logs", "logs/slurm", "logs/provision"):
-        path = fsx / sub
-        path.mkdir()
-        if user is not None and os.getuid() == 0:
-            os.chown(path, 0, user.gid)
-        path.chmod(0o2775)
+    if user is not None and os.getuid() == 0:
+        lay_out_fsx(fsx, [user], user.gid)
+    else:
+        for sub in ("logs", "logs/provision"):
+            (fsx / sub).mkdir()
     package = install_package(fsx / "platform")
     point_current(fsx / "platform", package.name)
     for kind, venv in (("gpu", REPO / ".venv"), ("neuron", REPO / ".venv-xla")):
@@ -90,11 +89,11 @@ def submit_smoke(cluster: SlurmCluster, fsx: Path, **extra: str) -> tuple[dict[s
                SANA_ENV_GPU=str(fsx / "envs" / "gpu"), SANA_ENV_NEURON=str(fsx / "envs" / "neuron"),
                SANA_SMOKE_RDZV_PORT=str(port), SANA_SMOKE_JOB_TIMEOUT_S=str(JOB_TIMEOUT - 60))
     env.update(extra)
-    out = fsx / "logs" / "slurm" / "sana-smoke-%j.out"  # the #SBATCH --output, under the temp FSx
+    out = fsx / "logs" / "%u" / "sana-smoke-%j.out"  # the #SBATCH --output, under the temp FSx
     script = fsx / "platform" / "current" / "training" / "slurm" / "smoke.sbatch"
     job_id = cluster.sbatch(script, options=(f"--output={out}",), env=env, cwd=fsx / "logs", user=cluster.user)
     info = cluster.wait(job_id, timeout=JOB_TIMEOUT)
-    return info, Path(str(out).replace("%j", str(job_id))).read_text(), job_id
+    return info, Path(str(out).replace("%j", str(job_id)).replace("%u", cluster.user or "root")).read_text(), job_id
 
 
 def test_smoke_sbatch_exits_non_zero_with_one_line_per_failure(slurm_cluster: SlurmCluster, site: Path,
@@ -141,7 +140,7 @@ def test_smoke_sbatch_local_path_passes_every_row(slurm_cluster: SlurmCluster, s
     assert "SMOKE PASS: 7 passed, 0 failed, 0 skipped" in text
     assert re.search(r"gpu-allreduce +PASS +local path: gloo 2 ranks on 1 node\(s\), busbw [\d.]+ GB/s", text), text
     assert re.search(r"neuron-versions +PASS +Neuron SDK [\d.]+ on 1 node\(s\): torch, torch-xla match", text), text
-    log_dir = fsx / "logs" / f"smoke-{job_id}"
+    log_dir = fsx / "logs" / (slurm_cluster.user or "root") / f"smoke-{job_id}"
     assert (log_dir / "table.txt").read_text().strip() == text[text.index("check "):].strip()
     assert sorted(p.name.split("-")[0] for p in log_dir.glob("*-allreduce-*.out")) == ["gpu", "trn"]
     if slurm_cluster.job_user is not None and os.getuid() == 0:

@@ -6,11 +6,12 @@ Trainium one. The site is laid out as on the cluster: the package installed root
 read-only at <fsx>/platform/<hash>/training with `current` pointing at it (the scripts are
 submitted from there), envs at <fsx>/envs/<kind>-<key> behind <fsx>/envs/<kind> with
 python_env.sh's ready marker, /fsx/{data,checkpoints,logs} root:<group> 2775, and the jobs
-submitted as the fixture's unprivileged user from its home (one test keeps a root job). The
-node profiles are the ones lifecycle_scripts/node_profile.sh writes (run for real, one per
-partition's role), so the paths asserted here are the ones runbooks/train-slurm.md documents:
-checkpoints in $SANA_CHECKPOINT_ROOT/<job name>/checkpoints/step-XXXXXXXX/, logs in
-$SANA_LOG_ROOT/<job name>-<job id>/, Slurm's own output in $SANA_LOG_ROOT/slurm/.
+submitted as the fixture's unprivileged user from its home (one test keeps a root job). FSx's
+directories are made by the real lifecycle_scripts/shared_dirs.sh (shared and per-user trees)
+and the node profiles are the ones lifecycle_scripts/node_profile.sh writes (run for real, one
+per partition's role), so the paths asserted here are the ones runbooks/train-slurm.md
+documents: checkpoints in $SANA_CHECKPOINT_ROOT/<user>/<job name>/checkpoints/step-XXXXXXXX/,
+logs in $SANA_LOG_ROOT/<user>/<job name>-<job id>/, Slurm's own output in $SANA_LOG_ROOT/<user>/.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.slurm.conftest import install_package, point_current, skip_unless_required
-from tests.slurm.job_site import free_port, make_env, write_node_profile
+from tests.slurm.job_site import free_port, lay_out_fsx, make_env, write_node_profile
 from training.checkpoint.consolidate import load_full
 
 if TYPE_CHECKING:  # conftest modules are not importable by name (several share it)
@@ -60,6 +61,8 @@ class Site:
     envs: dict[str, Path]
     env_keys: dict[str, str]
     user: JobUser | None
+    #: a second cluster user (same group), for the isolation tests; None when not running as root
+    other: JobUser | None = None
 
     @property
     def slurm_dir(self) -> Path:
@@ -78,16 +81,21 @@ class Site:
         env.update(extra)
         return env
 
-    def run_dir(self, job_name: str) -> Path:
-        return self.fsx / "checkpoints" / job_name
+    @property
+    def user_name(self) -> str:
+        return self.user.name if self.user else "root"
 
-    def log_dir(self, job_name: str, job_id: int) -> Path:
-        return self.fsx / "logs" / f"{job_name}-{job_id}"
+    def run_dir(self, job_name: str, user: str | None = None) -> Path:
+        """$SANA_CHECKPOINT_ROOT/<user>/<job name> (the job user's unless ``user``)."""
+        return self.fsx / "artefacts" / "checkpoints" / (user or self.user_name) / job_name
 
-    def slurm_out(self, job_name: str, job_id: int) -> Path:
-        """Slurm's own output file: the scripts' #SBATCH --output=/fsx/logs/slurm/%x-%j.out,
+    def log_dir(self, job_name: str, job_id: int, user: str | None = None) -> Path:
+        return self.fsx / "logs" / (user or self.user_name) / f"{job_name}-{job_id}"
+
+    def slurm_out(self, job_name: str, job_id: int, user: str | None = None) -> Path:
+        """Slurm's own output file: the scripts' #SBATCH --output=/fsx/logs/%u/%x-%j.out,
         with /fsx -> this site (overridden on the sbatch command line, as the contract says)."""
-        return self.fsx / "logs" / "slurm" / f"{job_name}-{job_id}.out"
+        return self.fsx / "logs" / (user or self.user_name) / f"{job_name}-{job_id}.out"
 
     def scratch(self, name: str) -> Path:
         """A directory the job user owns (inputs/outputs of one test)."""
@@ -99,13 +107,16 @@ class Site:
 
 
 def submit(cluster: SlurmCluster, site: Site, script: str | Path, *args: str, job_name: str,
-           env: dict[str, str], as_root: bool = False) -> int:
+           env: dict[str, str], as_root: bool = False, user: JobUser | None = None) -> int:
     """sbatch ``script`` (a name in the installed package's training/slurm/, or a path) as the
-    job user from its home; Slurm's output goes to the site's logs/slurm like the header says."""
+    job user (or ``user``) from its home; Slurm's output goes to the site's logs/<user>/ like the
+    header says."""
     path = site.slurm_dir / script if isinstance(script, str) else script
+    who = None if as_root else (user.name if user else cluster.user)
+    cwd = site.fsx / "home" / user.name if user else site.submit_dir
     return cluster.sbatch(path, *args, options=(f"--job-name={job_name}",
-                                                f"--output={site.fsx}/logs/slurm/%x-%j.out"),
-                          env=env, cwd=site.submit_dir, user=None if as_root else cluster.user)
+                                                f"--output={site.fsx}/logs/%u/%x-%j.out"),
+                          env=env, cwd=cwd, user=who)
 
 
 def shared_dir(path: Path, user: JobUser | None) -> None:
@@ -124,11 +135,16 @@ def site(slurm_cluster: SlurmCluster) -> Iterator[Site]:
     root = Path(tempfile.mkdtemp(prefix="sana-site-"))
     root.chmod(0o755)
     user = slurm_cluster.job_user
+    other = slurm_cluster.other_user
     fsx = root / "fsx"
     fsx.mkdir()
     fsx.chmod(0o755)
-    for sub in ("data", "checkpoints", "logs", "logs/slurm"):
-        shared_dir(fsx / sub, user)
+    if user is not None and os.getuid() == 0:
+        # Shared and per-user directories as provisioning makes them (the real shared_dirs.sh).
+        lay_out_fsx(fsx, [u for u in (user, other) if u is not None], user.gid)
+    else:  # not root: one user, who owns the tree
+        for sub in ("data", "artefacts/checkpoints", "logs", "cache"):
+            shared_dir(fsx / sub, user)
     package = install_package(fsx / "platform")
     point_current(fsx / "platform", package.name)
     envs_dir = fsx / "envs"
@@ -144,12 +160,15 @@ def site(slurm_cluster: SlurmCluster) -> Iterator[Site]:
     port = free_port()
     profiles = {role: write_node_profile(root / f"node-{role}", role=role, fsx=fsx, rdzv_port=port)
                 for role in ("gpu", "trn")}
+    for who in (user, other):
+        home = fsx / "home" / (who.name if who else "root")
+        home.mkdir(parents=True, exist_ok=True)
+        if who is not None and os.getuid() == 0:
+            shutil.chown(home, user=who.uid, group=who.gid)
+            home.chmod(0o700)
     submit_dir = fsx / "home" / (user.name if user else "root")
-    submit_dir.mkdir(parents=True)
-    if user is not None and os.getuid() == 0:
-        shutil.chown(submit_dir, user=user.uid, group=user.gid)
     yield Site(root=root, fsx=fsx, profiles=profiles, features=features, submit_dir=submit_dir,
-               package=package, envs=envs, env_keys=keys, user=user)
+               package=package, envs=envs, env_keys=keys, user=user, other=other)
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -235,7 +254,7 @@ def test_train_gpu_sbatch_completes_with_checkpoints_and_logs_where_the_runbook_
 
 def test_jobs_run_as_the_submitting_user_with_the_gpus_requested_as_gres(
         slurm_cluster: SlurmCluster, site: Site, uninterrupted: tuple[str, int]) -> None:
-    """Jobs as non-root: the user's own job, writing as that user into the group-shared dirs;
+    """Jobs as non-root: the user's own job, writing as that user into the user's own dirs;
     the GPU script's request reaches slurmctld as GRES (so its steps get the GPUs)."""
     user = slurm_cluster.job_user
     if user is None or user.uid == 0:
@@ -341,10 +360,10 @@ def test_precompute_sbatch_as_root_writes_features(slurm_cluster: SlurmCluster, 
     # One rank keeps this cheap; the rank split itself is tests/training/test_precompute.py's.
     index = json.loads((out / "index.json").read_text())
     assert index["num_samples"] == 6 and len(index["shards"]) == 2
-    job_log = (site.log_dir(job_name, job_id) / "job.log").read_text()
+    job_log = (site.log_dir(job_name, job_id, user="root") / "job.log").read_text()
     assert "rank 0/1" in job_log and "user=root" in job_log
     assert slurm_cluster.job(job_id)["UserId"].startswith("root(")
-    assert not site.run_dir(job_name).exists()  # no checkpoint directory for a precompute job
+    assert not site.run_dir(job_name, user="root").exists()  # no checkpoint directory for a precompute job
 
 
 def test_bench_sbatch_on_hyperpod_gets_auto_resume_and_writes_its_result_where_the_submitter_said(
@@ -364,7 +383,7 @@ def test_bench_sbatch_on_hyperpod_gets_auto_resume_and_writes_its_result_where_t
     job_id = submit(slurm_cluster, site, "bench.sbatch", str(site.tiny), "--synthetic", "--steps", "3",
                     "--warmup", "1", job_name=job_name, env=env)
     info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
-    log_dir = own_logs / f"{job_name}-{job_id}"
+    log_dir = own_logs / site.user_name / f"{job_name}-{job_id}"  # <SANA_LOG_ROOT>/<user>/
     assert info["JobState"] == "COMPLETED", (info, (log_dir / "job.log").read_text()[-3000:])
 
     result = json.loads((log_dir / "bench.json").read_text())

@@ -433,6 +433,10 @@ run_job() {
   echo "launch.sh: env $SANA_ENV_PATH requirements_hash=${SANA_ENV_HASH:-none (no .sana-env-ready: not built by lifecycle_scripts/python_env.sh)}"
   echo "launch.sh: logs $SANA_JOB_LOG_DIR"
   if [[ $kind == gpu || $kind == trainium ]]; then echo "launch.sh: run dir (checkpoints) $SANA_RUN_DIR"; fi
+  case $(accelerator_of "$kind") in
+    gpu) echo "launch.sh: compile cache (inductor) ${SANA_FSX}/cache/inductor/$user" ;;
+    neuron) echo "launch.sh: compile cache (neuron) ${NEURON_COMPILE_CACHE_URL:-none set: the Neuron default}" ;;
+  esac
   echo "launch.sh: srun ${srun_args[*]}"
   local status=0
   srun "${srun_args[@]}" bash "$LAUNCHER" node "$kind" "$@" || status=$?

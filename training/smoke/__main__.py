@@ -16,6 +16,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import pwd
 import shlex
 import shutil
 import socket
@@ -149,8 +150,10 @@ def config_from_env(local: bool) -> checks.SmokeConfig:
     if not job:
         raise UserError("not inside a Slurm job; submit with `sbatch training/slurm/smoke.sbatch`")
     log_root = Path(env.get("SANA_LOG_ROOT", fsx / "logs"))
+    # The user's own log directory, as for every job (training/slurm/launch.sh, own_dir).
+    user = pwd.getpwuid(os.getuid()).pw_name
     return checks.SmokeConfig(
-        package_root=PACKAGE_ROOT, fsx=fsx, log_dir=log_root / f"smoke-{job}",
+        package_root=PACKAGE_ROOT, fsx=fsx, log_dir=log_root / user / f"smoke-{job}",
         artefacts_bucket=env.get("SANA_ARTEFACTS_BUCKET", ""), cluster=env.get("SANA_CLUSTER", "sana"),
         gpu_env=Path(env.get("SANA_ENV_GPU", fsx / "envs" / "gpu")),
         neuron_env=Path(env.get("SANA_ENV_NEURON", fsx / "envs" / "neuron")),
