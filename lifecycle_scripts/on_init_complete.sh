@@ -95,7 +95,7 @@ fail() {
   if [[ -n ${FSX:-} && -n ${NODE_NAME:-} && -d $FSX/logs/provision ]]; then
     # In a subshell: write_node_status's own refusal (a link or a user-writable directory in
     # the way, e.g. before the dirs step fixed an old layout) must not replace this failure.
-    (write_node_status "$(printf '%s FAILED node=%s group=%s role=%s ip=%s step=%s cause=%s' \
+    (write_node_status "$(printf '%s FAILED node=%s group=%s role=%s ip=%s step=%s cause=%s\n' \
       "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$NODE_NAME" "${NODE_GROUP:-}" "${NODE_ROLE:-}" \
       "${NODE_IP:-}" "$step" "$cause")") >/dev/null 2>&1 || true
   fi

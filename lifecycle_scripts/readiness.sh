@@ -104,7 +104,7 @@ case $NODE_ROLE in
 esac
 check_slurm
 
-status=$(printf '%s READY node=%s group=%s role=%s ip=%s package=%s %s' \
+status=$(printf '%s READY node=%s group=%s role=%s ip=%s package=%s %s\n' \
   "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$NODE_NAME" "$NODE_GROUP" "$NODE_ROLE" "$NODE_IP" \
   "$CFG_PACKAGE_HASH" "${details[*]}")
 write_node_status "$status"

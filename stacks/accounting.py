@@ -20,6 +20,7 @@ Two pieces, in the stacks that own their kind of resource:
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -27,20 +28,27 @@ import aws_cdk as cdk
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_kms as kms
 from aws_cdk import aws_rds as rds
+from aws_cdk import aws_secretsmanager as secretsmanager
 from constructs import Construct
 
-from stacks.common import acknowledge
+from stacks.accounting_user import SlurmdbdUser
+from stacks.common import acknowledge, log_group
 
 # Aurora MySQL 3 (MySQL 8.0-compatible), a Slurm-supported MySQL server
 # (slurm.schedmd.com/accounting.html, "MySQL Configuration").
 ENGINE_VERSION = rds.AuroraMysqlEngineVersion.VER_3_10_0
 MYSQL_PORT = 3306
-ADMIN_USER = "slurm"
+ADMIN_USER = "admin"
+SLURMDBD_USER = "slurm"
+# The audit plugin's events: logins and schema/permission changes, not every statement slurmdbd
+# makes (the job records themselves are in the accounting tables).
+AUDIT_EVENTS = "CONNECT,QUERY_DCL,QUERY_DDL"
 # Serverless v2 capacity in ACUs: slurmdbd's load is a few writes per job; 0.5 is the floor.
 MIN_ACU, MAX_ACU = 0.5, 4
 BACKUP_DAYS = 14
-# Every log type Aurora MySQL can export to CloudWatch Logs.
-LOG_EXPORTS = ["audit", "error", "general", "slowquery"]
+# Exported to CloudWatch Logs: the audit log, errors and slow queries. Not the general log: it
+# records every statement slurmdbd makes, i.e. the accounting data a second time.
+LOG_EXPORTS = ("audit", "error", "slowquery")
 
 
 def schema_name(project: str) -> str:
@@ -80,12 +88,23 @@ class AccountingNetwork(Construct):
             self.subnets.append(subnet)
         self.security_group = ec2.SecurityGroup(
             self, "SecurityGroup", vpc=props.vpc, allow_all_outbound=False,
-            description="Slurm accounting database: MySQL from the HyperPod cluster security group only")
+            description="Slurm accounting database: MySQL from the Slurm controller client group only")
+        # Only the controller (slurmdbd) may reach the database, not every node of the cluster
+        # security group (the login node included): the controller group alone carries this
+        # group too (stacks/cluster.py, OverrideVpcConfig of the controller group).
+        self.client_security_group = ec2.SecurityGroup(
+            self, "ClientSecurityGroup", vpc=props.vpc, allow_all_outbound=False,
+            description="The Slurm controller, client of the accounting database (MySQL out only)")
         self.ingress = ec2.CfnSecurityGroupIngress(
-            self, "FromCluster", group_id=self.security_group.security_group_id, ip_protocol="tcp",
+            self, "FromController", group_id=self.security_group.security_group_id, ip_protocol="tcp",
             from_port=MYSQL_PORT, to_port=MYSQL_PORT,
-            source_security_group_id=props.cluster_security_group.security_group_id,
+            source_security_group_id=self.client_security_group.security_group_id,
             description="slurmdbd on the HyperPod controller -> Aurora MySQL")
+        ec2.CfnSecurityGroupEgress(
+            self, "ToDatabase", group_id=self.client_security_group.security_group_id, ip_protocol="tcp",
+            from_port=MYSQL_PORT, to_port=MYSQL_PORT,
+            destination_security_group_id=self.security_group.security_group_id,
+            description="slurmdbd -> Aurora MySQL")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -95,10 +114,31 @@ class AccountingDatabaseProps:
     network: AccountingNetwork
     key: kms.IKey
     removal_policy: cdk.RemovalPolicy
+    log_retention_days: int
+
+
+def cluster_identifier(project: str) -> str:
+    """Fixed, so the log groups RDS exports to can be made (with retention and the key) first."""
+    return f"{project}-slurm-accounting"
 
 
 class AccountingDatabase(Construct):
-    """Aurora MySQL Serverless v2 (writer + a reader in the other AZ), KMS-encrypted, private."""
+    """Aurora MySQL Serverless v2 (writer + a reader in the other AZ), KMS-encrypted, private.
+
+    Two logins: the admin, whose password RDS generates, stores in Secrets Manager and rotates
+    itself ("RDS-managed master password",
+    https://docs.aws.amazon.com/AmazonRDS/latest/AuroraUserGuide/rds-secrets-manager.html) and
+    which no node can read; and `slurm`, slurmdbd's, in a secret of its own that the execution
+    role reads (ClusterAccountingDatabase.SecretArn), with all privileges on the accounting schema
+    and none elsewhere ("GRANT ALL ON slurm_acct_db.* TO 'slurm'": slurm.schedmd.com/accounting.html,
+    "MySQL Configuration"), created through the RDS Data API by a deploy-time function
+    (SlurmdbdUser). TLS is required of every connection (the cluster parameter
+    require_secure_transport, and REQUIRE SSL on the user); the audit log (connections, DDL,
+    DCL: server_audit_logging / server_audit_events,
+    https://docs.aws.amazon.com/AmazonRDS/latest/AuroraUserGuide/AuroraMySQL.Auditing.html) is on
+    and exported with the error and slow-query logs into log groups made beforehand with the
+    platform's retention and key.
+    """
 
     def __init__(self, scope: Construct, id: str, *, props: AccountingDatabaseProps) -> None:
         super().__init__(scope, id)
@@ -109,15 +149,28 @@ class AccountingDatabase(Construct):
         retain = props.removal_policy == cdk.RemovalPolicy.RETAIN
         self.schema_name = schema_name(props.project)
         self.port = MYSQL_PORT
+        identifier = cluster_identifier(props.project)
+        engine = rds.DatabaseClusterEngine.aurora_mysql(version=ENGINE_VERSION)
+        parameters = rds.ParameterGroup(self, "Parameters", engine=engine, description=(
+            "Slurm accounting: TLS required, audit log of connections and DDL/DCL, slow queries"), parameters={
+                "require_secure_transport": "ON",
+                "server_audit_logging": "1",
+                "server_audit_events": AUDIT_EVENTS,
+                "slow_query_log": "1",
+                "long_query_time": "5",
+                "log_output": "FILE",
+            })
+        self.log_groups = {
+            kind: log_group(self, f"{kind.capitalize()}Logs", name=f"/aws/rds/cluster/{identifier}/{kind}",
+                            retention_days=props.log_retention_days, key=props.key, removal=props.removal_policy)
+            for kind in LOG_EXPORTS}
         self.cluster = rds.DatabaseCluster(
             self, "Cluster",
-            engine=rds.DatabaseClusterEngine.aurora_mysql(version=ENGINE_VERSION),
-            # A generated password in Secrets Manager, encrypted with the platform key; the
-            # secret holds username + password, which is what ClusterAccountingDatabase.
-            # SecretArn must contain (API_ClusterAccountingDatabase: "the user name and password
-            # for the accounting database"). The user owns the cluster, so it can create the schema.
-            credentials=rds.Credentials.from_generated_secret(
-                ADMIN_USER, encryption_key=props.key, secret_name=f"{props.project}/slurm-accounting"),
+            engine=engine,
+            cluster_identifier=identifier,
+            credentials=rds.Credentials.from_username(ADMIN_USER, encryption_key=props.key),
+            manage_master_user_password=True,
+            parameter_group=parameters,
             writer=rds.ClusterInstance.serverless_v2("Writer", auto_minor_version_upgrade=True),
             # A reader in the second AZ: Aurora promotes it if the writer's AZ fails.
             readers=[rds.ClusterInstance.serverless_v2("Reader", scale_with_writer=True,
@@ -130,13 +183,24 @@ class AccountingDatabase(Construct):
             backup=rds.BackupProps(retention=cdk.Duration.days(BACKUP_DAYS)),
             deletion_protection=retain,
             removal_policy=cdk.RemovalPolicy.SNAPSHOT if retain else cdk.RemovalPolicy.DESTROY,
-            cloudwatch_logs_exports=LOG_EXPORTS,
+            cloudwatch_logs_exports=list(LOG_EXPORTS),
             iam_authentication=True,
+            enable_data_api=True,
             monitoring_interval=cdk.Duration.seconds(60),
             copy_tags_to_snapshot=True,
         )
-        assert self.cluster.secret is not None
-        self.secret = self.cluster.secret
+        for group in self.log_groups.values():
+            self.cluster.node.add_dependency(group)
+        # slurmdbd's own login; the secret holds username + password, what
+        # ClusterAccountingDatabase.SecretArn must contain (API_ClusterAccountingDatabase).
+        self.secret = secretsmanager.Secret(
+            self, "SlurmdbdSecret", secret_name=f"{props.project}/slurmdbd", encryption_key=props.key,
+            description="slurmdbd's login to the Slurm accounting database (rights on its schema only)",
+            generate_secret_string=secretsmanager.SecretStringGenerator(
+                secret_string_template=json.dumps({"username": SLURMDBD_USER}), generate_string_key="password",
+                exclude_characters=" %+~`#$&*()|[]{}:;<>?!'/@\"\\", password_length=30))
+        self.user = SlurmdbdUser(self, "SlurmdbdUser", cluster=self.cluster, user_secret=self.secret,
+                                 schema=self.schema_name, key=props.key, retention_days=props.log_retention_days)
         self._acknowledge()
 
     @property
@@ -151,9 +215,11 @@ class AccountingDatabase(Construct):
         """Findings that a fix would break or that do not apply (runbooks/compliance.md, accounting)."""
         rotation = ("slurmdbd reads this password from the secret when HyperPod configures the controller; "
                     "HyperPod's docs do not say it re-reads a rotated secret, so automatic rotation could "
-                    "lock slurmdbd out. Rotate as a planned change (rotate, then replace the controller "
-                    "node). The secret is KMS-encrypted and readable only by the cluster execution role.")
-        secret = self.cluster.node.find_child("Secret").node.default_child
+                    "lock slurmdbd out. Rotate as a planned change (new password in the secret, run the "
+                    "SlurmdbdUser function again, which converges, then replace the controller node). The secret is "
+                    "KMS-encrypted and readable only by the cluster execution role; the admin login is "
+                    "RDS-managed (rotated by RDS) and not readable by the nodes.")
+        secret = self.secret.node.default_child
         acknowledge(secret, "AwsSolutions::AwsSolutions-SMG4", rotation)
         acknowledge(secret, "HIPAA.Security::HIPAA.Security-SecretsManagerRotationEnabled", rotation)
         acknowledge(self.cluster.node.find_child("MonitoringRole").node.default_child,
@@ -168,6 +234,10 @@ class AccountingDatabase(Construct):
                         "and a final snapshot on deletion protect the cluster; enrolling it in an AWS Backup "
                         "plan is an organisation-level choice that needs no change here (tag-based selection).")
         cfn = self.cluster.node.default_child
+        acknowledge(cfn, "HIPAA.Security::HIPAA.Security-RDSLoggingEnabled[LogExport::general]",
+                    "The general log records every statement slurmdbd makes, i.e. every job record a second "
+                    "time outside the database; the audit log (connections, DDL, DCL), the error log and the "
+                    "slow-query log are on and exported, with retention and the platform key.")
         acknowledge(cfn, "AwsSolutions::AwsSolutions-RDS11",
                     "HyperPod's slurmdbd is configured with ClusterAccountingDatabase.Port; the database "
                     "is reachable only from the cluster security group in private subnets, so a "

@@ -31,6 +31,8 @@ from stacks.common import acknowledge, ignore_cfn_lint, removal_policy
 from stacks.config import FSX_MOUNT, PlatformConfig
 from stacks.images import ImageRepositories
 from stacks.network import Network
+from stacks.cluster_logs import ClusterLogGroup
+from stacks.names import execution_role_name
 from stacks.storage import StorageStack, bucket_names
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,12 +149,16 @@ class ExecutionRole(Construct):
                 sid="CreateNodeInterfacesInClusterSubnet",
                 actions=["ec2:CreateNetworkInterface"],
                 resources=[eni_arn, subnet_arn, sg_arn]),
+            # Only the interfaces in the cluster subnet: ec2:Subnet is a condition key of the
+            # network-interface resource type (Service Authorization Reference, Amazon EC2,
+            # "Resource types defined by Amazon EC2": "Filters access by the ARN of the subnet").
             iam.PolicyStatement(
                 sid="ManageNodeInterfaces",
                 actions=["ec2:AssignPrivateIpAddresses", "ec2:CreateNetworkInterfacePermission",
                          "ec2:DeleteNetworkInterface", "ec2:DeleteNetworkInterfacePermission",
                          "ec2:DetachNetworkInterface"],
-                resources=[eni_arn]),
+                resources=[eni_arn],
+                conditions={"ArnEquals": {"ec2:Subnet": subnet_arn}}),
             iam.PolicyStatement(
                 sid="TagNodeInterfacesOnCreate",
                 actions=["ec2:CreateTags"],
@@ -165,15 +171,27 @@ class ExecutionRole(Construct):
                 resources=["*"]),
         ])
         if props.accounting is not None:
-            # The accounting database's credentials (ClusterAccountingDatabase.SecretArn);
-            # the secret is encrypted with the platform key, already granted above.
+            # slurmdbd's own database login (ClusterAccountingDatabase.SecretArn), a user with
+            # rights on the accounting schema only; the admin login stays with RDS
+            # (stacks/accounting.py). The secret is on the platform key, granted above.
             self.policy.add_statements(iam.PolicyStatement(
                 sid="ReadAccountingDatabaseSecret",
                 actions=["secretsmanager:GetSecretValue", "secretsmanager:DescribeSecret"],
                 resources=[props.accounting.secret_arn]))
+        # Trust: SageMaker, for this account's clusters. aws:SourceAccount / aws:SourceArn are
+        # the keys AWS gives against the confused deputy
+        # (https://docs.aws.amazon.com/sagemaker/latest/dg/security-confused-deputy-prevention.html);
+        # that page lists them per SageMaker feature and not for HyperPod clusters, so they are
+        # ...IfExists: enforced whenever SageMaker passes them, and a cluster whose request
+        # lacks them still starts (a plain StringEquals on a missing key denies, and the nodes
+        # would get no credentials).
+        cluster_arns = f"arn:{cdk.Aws.PARTITION}:sagemaker:{cdk.Aws.REGION}:{cdk.Aws.ACCOUNT_ID}:cluster/*"
         self.role = iam.Role(
             self, "Role",
-            assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
+            role_name=execution_role_name(props.config.projectName),
+            assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com", conditions={
+                "StringEqualsIfExists": {"aws:SourceAccount": cdk.Aws.ACCOUNT_ID},
+                "ArnLikeIfExists": {"aws:SourceArn": cluster_arns}}),
             description="HyperPod cluster nodes: managed instance policy + this platform's buckets and key",
             managed_policies=[
                 iam.ManagedPolicy.from_aws_managed_policy_name("AmazonSageMakerClusterInstanceRolePolicy"),
@@ -259,7 +277,8 @@ class Cluster(Construct):
             "gpu": (cfg.gpuInstanceType, cfg.gpuInstanceCount, cfg.gpuEbsGiB, "Compute", "gpu"),
             "trn": (cfg.trnInstanceType, cfg.trnInstanceCount, cfg.trnEbsGiB, "Compute", "trn"),
         }
-        groups = [self._group(name, *specs[name], cfg=cfg) for name in cfg.groups]
+        groups = [self._group(name, *specs[name], cfg=cfg, vpc_override=self._controller_vpc(props) if
+                              name == "controller" else None) for name in cfg.groups]
         self.cluster = sagemaker.CfnCluster(
             self, "Resource",
             cluster_name=cfg.clusterName,
@@ -283,6 +302,19 @@ class Cluster(Construct):
         )
         # The cluster must not be created before its lifecycle objects exist in S3.
         self.cluster.node.add_dependency(self.upload.scripts, self.upload.package)
+
+    @staticmethod
+    def _controller_vpc(props: ClusterProps) -> sagemaker.CfnCluster.VpcConfigProperty | None:
+        """With accounting, the controller alone also carries the database's client security group
+        (the database admits nothing else): the instance group's OverrideVpcConfig (resource schema,
+        ClusterInstanceGroup.OverrideVpcConfig), same subnet, the cluster group kept for EFA/Lustre."""
+        accounting = props.network.accounting
+        if accounting is None:
+            return None
+        return sagemaker.CfnCluster.VpcConfigProperty(
+            security_group_ids=[props.network.security_group.security_group_id,
+                                accounting.client_security_group.security_group_id],
+            subnets=[props.network.cluster_subnet.ref])
 
     @staticmethod
     def _accounting_database(db: AccountingDatabase | None) -> sagemaker.CfnCluster.ClusterAccountingDatabaseProperty | None:
@@ -317,7 +349,9 @@ class Cluster(Construct):
                 self.fsx_mount]
 
     def _group(self, name: str, instance_type: str, count: int, ebs_gib: int, node_type: str,
-               partition: str | None, *, cfg: PlatformConfig) -> sagemaker.CfnCluster.ClusterInstanceGroupProperty:
+               partition: str | None, *, cfg: PlatformConfig,
+               vpc_override: sagemaker.CfnCluster.VpcConfigProperty | None = None,
+               ) -> sagemaker.CfnCluster.ClusterInstanceGroupProperty:
         accelerator = partition is not None
         return sagemaker.CfnCluster.ClusterInstanceGroupProperty(
             instance_group_name=name,
@@ -340,6 +374,7 @@ class Cluster(Construct):
             # host cores feed data loaders; SMT adds jitter (HyperPod's own recommendation).
             threads_per_core=1 if accelerator else None,
             on_start_deep_health_checks=DEEP_HEALTH_CHECKS if accelerator and cfg.deepHealthChecks else None,
+            override_vpc_config=vpc_override,
         )
 
 
@@ -353,6 +388,10 @@ class ClusterStack(cdk.Stack):
                                                                     accounting=storage.accounting))
         self._acknowledge_deployment_handler(config)
         buckets, upload = self.cluster.buckets, self.cluster.upload
+        # The log group HyperPod writes the nodes' logs to: retention and the platform key.
+        self.cluster_logs = ClusterLogGroup(self, "ClusterLogs", cluster=self.cluster.cluster,
+                                            cluster_name=config.clusterName, key=buckets.key,
+                                            retention_days=config.logRetentionDays)
         # Training images (containers/, runbooks/containers.md): pulled by the nodes' role only.
         self.images = ImageRepositories(self, "Images", project=config.projectName, key=buckets.key,
                                         pull_role=self.cluster.execution_role.role,
@@ -428,9 +467,9 @@ class ClusterStack(cdk.Stack):
         for finding, reason in wildcards.items():
             acknowledge(policy, f"AwsSolutions::AwsSolutions-IAM5[{finding}]", deploy_only + reason)
         # cdk.json's @aws-cdk/aws-lambda:useCdkManagedLogGroup (a recommended flag) gives the
-        # handler a log group in the template instead of one Lambda creates on first run.
-        log_group = handler.node.try_find_child("LogGroup")
-        if log_group is not None:
-            acknowledge(log_group.node.default_child, "HIPAA.Security::HIPAA.Security-CloudWatchLogGroupEncrypted",
-                        deploy_only + "Its log lines name the copied lifecycle/package files and S3 keys, "
-                        "nothing else; CloudWatch Logs encrypts it at rest with a service key.")
+        # handler a log group in the template instead of one Lambda creates on first run; it gets
+        # the platform's retention and key like every platform log group (the key policy admits
+        # CloudWatch Logs for /aws/lambda/<project>-cluster-*, stacks/key_policy.py).
+        log_group = handler.node.find_child("LogGroup").node.default_child
+        log_group.retention_in_days = config.logRetentionDays
+        log_group.kms_key_id = self.cluster.buckets.key.key_arn

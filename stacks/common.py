@@ -33,3 +33,14 @@ def ignore_cfn_lint(resource: IConstruct, rule: str) -> None:
     existing = resource.get_metadata("cfn-lint") or {"config": {"ignore_checks": []}}
     existing["config"]["ignore_checks"].append(rule)
     resource.add_metadata("cfn-lint", existing)
+
+
+def log_group(scope, id: str, *, retention_days: int, key, removal: cdk.RemovalPolicy, name: str | None = None):
+    """A platform log group: the platform's retention (logRetentionDays, any CloudWatch Logs value)
+    and a customer-managed key. Returns the aws_logs.LogGroup."""
+    from aws_cdk import aws_logs as logs  # noqa: PLC0415 - only the stacks that make log groups need it
+
+    group = logs.LogGroup(scope, id, log_group_name=name, encryption_key=key, removal_policy=removal,
+                          retention=logs.RetentionDays.INFINITE)
+    group.node.default_child.retention_in_days = retention_days  # the L2 enum names only CDK's values
+    return group

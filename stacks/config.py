@@ -86,6 +86,11 @@ POSIX_ID_MIN, POSIX_ID_MAX = 1001, 59999
 POSIX_ID_ALLOWED = (f"allowed: {POSIX_ID_MIN}-{POSIX_ID_MAX} (0-999 are system accounts, 1000 is the AMI's "
                     "ubuntu user, 60000-65535 are reserved by Debian/Ubuntu, 65534 is nobody)")
 HOME_ROOT = "/fsx/home"
+# CloudWatch Logs PutRetentionPolicy retentionInDays values (CloudWatch Logs API Reference).
+LOG_RETENTION_DAYS: tuple[int, ...] = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827,
+                                       2192, 2557, 2922, 3288, 3653)
+# A named IAM principal for the key policy (a key policy names principals that exist: roles, users).
+IAM_PRINCIPAL_ARN_RE = re.compile(r"^arn:aws(-[a-z]+)*:iam::\d{12}:(role|user)/[\w+=,.@/-]{1,512}$")
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,14 @@ class PlatformConfig:
     """NodeProvisioningMode Continuous: partial capacity, async retries; chosen at cluster creation."""
     slurmAccounting: bool = False
     """Slurm accounting on an Aurora MySQL Serverless v2 database (needs continuousProvisioning)."""
+    cloudTrail: bool = True
+    """A CloudTrail trail with S3 data events on the platform buckets and log-file validation."""
+    keyAdministrators: tuple[str, ...] = ()
+    """IAM role/user ARNs that administer the platform KMS key; empty: the account (management actions only)."""
+    keyUsers: tuple[str, ...] = ()
+    """IAM role/user ARNs besides the cluster nodes that may encrypt and decrypt with the platform key."""
+    logRetentionDays: int = 731
+    """Retention of every log group the platform creates or adopts (a CloudWatch Logs retention value)."""
 
     def __post_init__(self) -> None:
         if not PROJECT_NAME_RE.match(self.projectName):
@@ -270,6 +283,12 @@ class PlatformConfig:
         _one_of("nodeRecovery", self.nodeRecovery, NODE_RECOVERY)
         _one_of("dataRemovalPolicy", self.dataRemovalPolicy, REMOVAL_POLICIES)
         self._check_users()
+        _one_of("logRetentionDays", self.logRetentionDays, LOG_RETENTION_DAYS)
+        for key in ("keyAdministrators", "keyUsers"):
+            for arn in getattr(self, key):
+                if not IAM_PRINCIPAL_ARN_RE.match(arn):
+                    raise ConfigError(key, arn, "allowed: IAM role or user ARNs, e.g. "
+                                                "arn:aws:iam::123456789012:role/platform-admin")
         if self.slurmAccounting and not self.continuousProvisioning:
             # AWS::SageMaker::Cluster schema, ClusterAccountingDatabase: "Supported only with
             # Continuous node provisioning."
@@ -413,6 +432,11 @@ def _coerce(key: str, raw: Any, typ: Any) -> Any:
     """Coerce one context value (native JSON from cdk.json, or a string from ``-c``)."""
     if typ in ("tuple[PosixAccount, ...]",):
         return parse_users(raw)
+    if typ in ("tuple[str, ...]",):
+        items = raw.split(",") if isinstance(raw, str) else raw
+        if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+            raise ConfigError(key, raw, "allowed: a list of strings, or one comma-separated string")
+        return tuple(i.strip() for i in items if i.strip())
     if typ in (PosixAccount, "PosixAccount"):
         return parse_account(key, raw, "group")
     if typ in (bool, "bool"):

@@ -15,14 +15,19 @@ from dataclasses import dataclass
 import aws_cdk as cdk
 from aws_cdk import aws_ec2 as ec2
 from aws_cdk import aws_iam as iam
+from aws_cdk import aws_kms as kms
+from aws_cdk import aws_logs as logs
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from stacks.accounting import AccountingNetwork, AccountingNetworkProps
 from stacks.common import acknowledge, ignore_cfn_lint, removal_policy
 from stacks.config import PlatformConfig
+from stacks.key_policy import ADMIN_ACTIONS
+from stacks.names import bucket_arn, bucket_names, log_group_arn, trail_arn
 
 ACCESS_LOG_PREFIX = "s3-access-logs/"
+TRAIL_PREFIX = "cloudtrail"  # stacks/trail.py writes under it
 FLOW_LOG_PREFIX = "vpc-flow-logs/"
 
 
@@ -33,6 +38,9 @@ class NetworkProps:
     cluster_subnet_cidr: str
     nat_subnet_cidr: str
     removal_policy: cdk.RemovalPolicy
+    project: str
+    cloud_trail: bool
+    log_retention_days: int
     accounting_subnet_cidrs: tuple[str, str] | None = None
     """Set only with slurmAccounting: the two DB subnets Aurora needs (two AZs)."""
 
@@ -44,7 +52,8 @@ class AccessLogBucket(Construct):
     (docs.aws.amazon.com/AmazonS3/latest/userguide/enable-server-access-logging.html).
     """
 
-    def __init__(self, scope: Construct, id: str, *, removal: cdk.RemovalPolicy) -> None:
+    def __init__(self, scope: Construct, id: str, *, removal: cdk.RemovalPolicy, project: str,
+                 cloud_trail: bool) -> None:
         super().__init__(scope, id)
         self.bucket = s3.Bucket(
             self, "Bucket",
@@ -60,16 +69,34 @@ class AccessLogBucket(Construct):
                                            transition_after=cdk.Duration.days(90))],
             )],
         )
-        # Server access logs from the platform's other buckets (in the storage stack) are
-        # allowed by account rather than by source-bucket ARN: naming those buckets here
-        # would make this stack depend on the storage stack, which depends on this one.
+        # Server access logs from exactly the platform's buckets (storage stack), named by their
+        # deterministic names (stacks/names.py) rather than referenced: a reference would make
+        # this stack depend on the storage stack, which depends on this one. The two condition
+        # keys AWS gives for the logging service principal: aws:SourceArn (the source bucket)
+        # and aws:SourceAccount
+        # (https://docs.aws.amazon.com/AmazonS3/latest/userguide/enable-server-access-logging.html,
+        # "Grant permissions to the logging service principal by using a bucket policy").
         self.bucket.add_to_resource_policy(iam.PolicyStatement(
-            sid="S3ServerAccessLogsFromThisAccount",
+            sid="S3ServerAccessLogsFromThePlatformBuckets",
             principals=[iam.ServicePrincipal("logging.s3.amazonaws.com")],
             actions=["s3:PutObject"],
             resources=[self.bucket.arn_for_objects(ACCESS_LOG_PREFIX + "*")],
-            conditions={"StringEquals": {"aws:SourceAccount": cdk.Aws.ACCOUNT_ID}},
+            conditions={"StringEquals": {"aws:SourceAccount": cdk.Aws.ACCOUNT_ID},
+                        "ArnEquals": {"aws:SourceArn": [bucket_arn(n) for n in bucket_names(project).values()]}},
         ))
+        if cloud_trail:
+            # The platform's trail (stacks/trail.py) writes here; CloudTrail's own bucket policy,
+            # with aws:SourceArn naming the trail
+            # (https://docs.aws.amazon.com/awscloudtrail/latest/userguide/create-s3-bucket-policy-for-cloudtrail.html).
+            trail = {"StringEquals": {"aws:SourceArn": trail_arn(project)}}
+            self.bucket.add_to_resource_policy(iam.PolicyStatement(
+                sid="CloudTrailAclCheck", principals=[iam.ServicePrincipal("cloudtrail.amazonaws.com")],
+                actions=["s3:GetBucketAcl"], resources=[self.bucket.bucket_arn], conditions=trail))
+            self.bucket.add_to_resource_policy(iam.PolicyStatement(
+                sid="CloudTrailWrite", principals=[iam.ServicePrincipal("cloudtrail.amazonaws.com")],
+                actions=["s3:PutObject"],
+                resources=[self.bucket.arn_for_objects(f"{TRAIL_PREFIX}/AWSLogs/{cdk.Aws.ACCOUNT_ID}/*")],
+                conditions={"StringEquals": {**trail["StringEquals"], "s3:x-amz-acl": "bucket-owner-full-control"}}))
         cfn = self.bucket.node.default_child
         acknowledge(cfn, "AwsSolutions::AwsSolutions-S1",
                     "This is the access-log destination bucket; logging it into itself would loop. "
@@ -84,12 +111,41 @@ class AccessLogBucket(Construct):
                     "organisation-level DR decision (S3 Replication can be added without code changes).")
 
 
+class HandlerLogGroup(Construct):
+    """The log group of a CDK-generated Lambda that runs during deployment, made before it first
+    runs (Lambda would otherwise create /aws/lambda/<name> itself: never expiring, no CMK), with
+    the platform's retention and a key of this stack's own (the platform key lives in the storage
+    stack, which depends on this one)."""
+
+    def __init__(self, scope: Construct, id: str, *, handler: cdk.CfnResource, retention_days: int,
+                 removal: cdk.RemovalPolicy) -> None:
+        super().__init__(scope, id)
+        name = cdk.Fn.join("", ["/aws/lambda/", handler.ref])
+        self.key = kms.Key(
+            self, "Key", enable_key_rotation=True, removal_policy=removal,
+            description="Encrypts the network stack's deployment-time Lambda log group",
+            policy=iam.PolicyDocument(statements=[
+                iam.PolicyStatement(sid="KeyAdministration", principals=[iam.AccountRootPrincipal()],
+                                    actions=ADMIN_ACTIONS, resources=["*"]),
+                iam.PolicyStatement(
+                    sid="CloudWatchLogsForThisLogGroup",
+                    principals=[iam.ServicePrincipal(f"logs.{cdk.Aws.REGION}.amazonaws.com")],
+                    actions=["kms:Encrypt*", "kms:Decrypt*", "kms:ReEncrypt*", "kms:GenerateDataKey*", "kms:Describe*"],
+                    resources=["*"],
+                    conditions={"ArnLike": {"kms:EncryptionContext:aws:logs:arn": log_group_arn("/aws/lambda/*")}}),
+            ]))
+        self.log_group = logs.CfnLogGroup(self, "Resource", log_group_name=name, retention_in_days=retention_days,
+                                          kms_key_id=self.key.key_arn)
+        self.log_group.apply_removal_policy(removal)
+
+
 class Network(Construct):
     """VPC with one private cluster subnet (+ a /28 public subnet for the NAT gateway)."""
 
     def __init__(self, scope: Construct, id: str, *, props: NetworkProps) -> None:
         super().__init__(scope, id)
-        self.access_logs = AccessLogBucket(self, "AccessLogs", removal=props.removal_policy).bucket
+        self.access_logs = AccessLogBucket(self, "AccessLogs", removal=props.removal_policy, project=props.project,
+                                           cloud_trail=props.cloud_trail).bucket
         self.vpc = ec2.Vpc(
             self, "Vpc",
             ip_addresses=ec2.IpAddresses.cidr(props.cidr),
@@ -100,7 +156,13 @@ class Network(Construct):
             enable_dns_support=True,
         )
         restrict_provider = cdk.Stack.of(self).node.find_child("Custom::VpcRestrictDefaultSGCustomResourceProvider")
-        ignore_cfn_lint(restrict_provider.node.find_child("Handler"), "W3005")
+        handler = restrict_provider.node.find_child("Handler")
+        ignore_cfn_lint(handler, "W3005")
+        self.handler_logs = HandlerLogGroup(self, "RestrictDefaultSecurityGroupLogs", handler=handler,
+                                            retention_days=props.log_retention_days,
+                                            removal=props.removal_policy)
+        restrict = self.vpc.node.find_child("RestrictDefaultSecurityGroupCustomResource")
+        restrict.node.add_dependency(self.handler_logs)
         self.flow_log = self.vpc.add_flow_log(
             "FlowLog",
             destination=ec2.FlowLogDestination.to_s3(self.access_logs, FLOW_LOG_PREFIX),
@@ -178,5 +240,6 @@ class NetworkStack(cdk.Stack):
         self.network = Network(self, "Network", props=NetworkProps(
             cidr=config.vpcCidr, az_id=config.availabilityZoneId,
             cluster_subnet_cidr=config.private_subnet_cidr, nat_subnet_cidr=config.public_subnet_cidr,
-            removal_policy=removal_policy(config),
+            removal_policy=removal_policy(config), project=config.projectName, cloud_trail=config.cloudTrail,
+            log_retention_days=config.logRetentionDays,
             accounting_subnet_cidrs=config.accounting_subnet_cidrs if config.slurmAccounting else None))

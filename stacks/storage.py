@@ -20,32 +20,33 @@ from constructs import Construct
 from stacks.accounting import AccountingDatabase, AccountingDatabaseProps
 from stacks.common import acknowledge, removal_policy
 from stacks.config import PlatformConfig
+from stacks.key_policy import KeyPolicyProps, platform_key_policy
+from stacks.names import bucket_arn, bucket_names, execution_role_arn, log_group_arn, trail_arn
 from stacks.network import ACCESS_LOG_PREFIX, Network
+from stacks.trail import DataEventsTrail, DataEventsTrailProps
 
 FSX_DATA_PATH = "/data"
 FSX_ARTEFACTS_PATH = "/artefacts"
 ALL_EVENTS = ["NEW", "CHANGED", "DELETED"]
 
 
-def bucket_names(project: str) -> dict[str, str]:
-    """Deterministic bucket names (with the account/region pseudo parameters as tokens).
-
-    Named rather than generated so that other stacks, IAM statements and the nodes'
-    platform-settings.json refer to them without cross-stack exports, and so that audit
-    findings show readable ARNs. HyperPod's managed instance policy
-    (AmazonSageMakerClusterInstanceRolePolicy) only reaches buckets named sagemaker-*,
-    hence the lifecycle bucket's prefix.
-    """
-    suffix = f"{cdk.Aws.ACCOUNT_ID}-{cdk.Aws.REGION}"
-    return {"data": f"{project}-data-{suffix}", "artefacts": f"{project}-artefacts-{suffix}",
-            "lifecycle": f"sagemaker-{project}-lc-{suffix}"}
+def platform_log_groups(cfg: PlatformConfig) -> tuple[str, ...]:
+    """Name patterns of every log group on the platform key: the Lambda handlers of the cluster
+    and storage stacks (CloudFormation names a function <stack name>-<logical id>-<suffix>), the
+    HyperPod cluster's (/aws/sagemaker/Clusters/<cluster name>/<cluster id>) and the accounting
+    database's (/aws/rds/cluster/<identifier>/<log type>)."""
+    p = cfg.projectName
+    return (f"/aws/lambda/{p}-cluster-*", f"/aws/lambda/{p}-storage-*",
+            f"/aws/sagemaker/Clusters/{cfg.clusterName}/*", f"/aws/rds/cluster/{p}-slurm-accounting/*")
 
 
 @dataclass(kw_only=True, frozen=True)
 class BucketsProps:
-    project: str
+    config: PlatformConfig
     access_logs: s3.IBucket
     removal_policy: cdk.RemovalPolicy
+    s3_endpoint_id: str
+    """The VPC's S3 gateway endpoint: the nodes' role reaches the data only through it."""
 
 
 class Buckets(Construct):
@@ -53,66 +54,25 @@ class Buckets(Construct):
 
     def __init__(self, scope: Construct, id: str, *, props: BucketsProps) -> None:
         super().__init__(scope, id)
+        cfg = props.config
+        project = cfg.projectName
+        names = bucket_names(project)
+        # Named principals only (stacks/key_policy.py): no kms:* for the account.
         self.key = kms.Key(
             self, "Key", enable_key_rotation=True, removal_policy=props.removal_policy,
-            alias=f"alias/{props.project}-platform",
-            description=f"{props.project}: encrypts the platform buckets, FSx, node EBS volumes and accounting DB")
-        # FSx data repository associations read/write the SSE-KMS buckets as the FSx service-
-        # linked role AWSServiceRoleForFSxS3Access_<fs-id>, which needs the key through S3
-        # (docs.aws.amazon.com/fsx/latest/LustreGuide/s3-server-side-encryption-support.html).
-        # That role only exists once the file system does and a key policy cannot name a
-        # principal that does not exist yet, so the statement matches it by ARN pattern.
-        self.key.add_to_resource_policy(iam.PolicyStatement(
-            sid="FsxS3DataRepositoryServiceLinkedRole",
-            principals=[iam.AnyPrincipal()],
-            actions=["kms:Encrypt", "kms:Decrypt", "kms:ReEncryptFrom", "kms:ReEncryptTo",
-                     "kms:GenerateDataKey", "kms:DescribeKey"],
-            resources=["*"],
-            conditions={
-                "StringEquals": {"kms:CallerAccount": cdk.Aws.ACCOUNT_ID,
-                                 "kms:ViaService": f"s3.{cdk.Aws.REGION}.amazonaws.com"},
-                "ArnLike": {"aws:PrincipalArn": (
-                    f"arn:{cdk.Aws.PARTITION}:iam::{cdk.Aws.ACCOUNT_ID}:role/aws-service-role/"
-                    "s3.data-source.lustre.fsx.amazonaws.com/AWSServiceRoleForFSxS3Access_*")},
-            },
-        ))
-        # HyperPod node volumes on this key (VolumeKmsKeyId): the key policy lets the cluster
-        # execution role create grants for AWS resources through SageMaker and describe the
-        # key, as docs.aws.amazon.com/sagemaker/latest/dg/smcluster-cmk.html ("Permissions")
-        # lists. The role lives in the cluster stack, created after this key, and a key policy
-        # cannot name a principal that does not exist yet (nor may this stack import from the
-        # cluster stack), so the role is matched by the name CloudFormation gives it
-        # (<cluster stack name>-<logical id>-<suffix>). The execution role's own policy grants
-        # the same two actions (stacks/cluster.py, ExecutionRole).
-        execution_role_arn = (f"arn:{cdk.Aws.PARTITION}:iam::{cdk.Aws.ACCOUNT_ID}:role/"
-                              f"{props.project}-cluster-*")
-        self.key.add_to_resource_policy(iam.PolicyStatement(
-            sid="HyperPodNodeVolumesCreateGrant",
-            principals=[iam.AnyPrincipal()],
-            actions=["kms:CreateGrant"],
-            resources=["*"],
-            conditions={
-                "StringEquals": {"kms:CallerAccount": cdk.Aws.ACCOUNT_ID,
-                                 "kms:ViaService": f"sagemaker.{cdk.Aws.REGION}.amazonaws.com"},
-                "Bool": {"kms:GrantIsForAWSResource": "true"},
-                "ArnLike": {"aws:PrincipalArn": execution_role_arn},
-            },
-        ))
-        self.key.add_to_resource_policy(iam.PolicyStatement(
-            sid="HyperPodNodeVolumesDescribeKey",
-            principals=[iam.AnyPrincipal()],
-            actions=["kms:DescribeKey"],
-            resources=["*"],
-            conditions={
-                "StringEquals": {"kms:CallerAccount": cdk.Aws.ACCOUNT_ID,
-                                 "kms:ViaService": f"sagemaker.{cdk.Aws.REGION}.amazonaws.com"},
-                "ArnLike": {"aws:PrincipalArn": execution_role_arn},
-            },
-        ))
-        names = bucket_names(props.project)
+            alias=f"alias/{project}-platform",
+            description=f"{project}: encrypts the platform buckets, FSx, node EBS volumes and accounting DB",
+            policy=platform_key_policy(KeyPolicyProps(
+                project=project, execution_role_arn=execution_role_arn(project),
+                bucket_arns={kind: bucket_arn(name) for kind, name in names.items()},
+                administrators=cfg.keyAdministrators, users=cfg.keyUsers,
+                trail_arn=trail_arn(project) if cfg.cloudTrail else None,
+                log_group_arns=tuple(log_group_arn(n) for n in platform_log_groups(cfg)))))
         self.data = self._bucket("Data", props, "data", names["data"])
         self.artefacts = self._bucket("Artefacts", props, "artefacts", names["artefacts"])
         self.lifecycle = self._bucket("Lifecycle", props, "lifecycle", names["lifecycle"])
+        for bucket in (self.data, self.artefacts):
+            self._nodes_only_through_the_endpoint(bucket, project, props.s3_endpoint_id)
 
     def _bucket(self, id: str, props: BucketsProps, log_name: str, bucket_name: str) -> s3.Bucket:
         bucket = s3.Bucket(
@@ -132,14 +92,63 @@ class Buckets(Construct):
                 id="abort-incomplete-multipart-uploads",
                 abort_incomplete_multipart_upload_after=cdk.Duration.days(7))],
         )
+        # Objects only under the platform key: an upload naming another KMS key, another
+        # algorithm, or a customer-provided key (SSE-C, which S3 cannot audit or rotate) is
+        # refused. Condition keys of s3:PutObject (Service Authorization Reference, Amazon S3:
+        # s3:x-amz-server-side-encryption, s3:x-amz-server-side-encryption-aws-kms-key-id,
+        # s3:x-amz-server-side-encryption-customer-algorithm); IfExists: an upload that names
+        # nothing gets the bucket's default, the platform key.
+        objects = bucket.arn_for_objects("*")
+        bucket.add_to_resource_policy(iam.PolicyStatement(
+            sid="DenyOtherEncryption", effect=iam.Effect.DENY, principals=[iam.AnyPrincipal()],
+            actions=["s3:PutObject"], resources=[objects],
+            conditions={"StringNotEqualsIfExists": {"s3:x-amz-server-side-encryption": "aws:kms"}}))
+        bucket.add_to_resource_policy(iam.PolicyStatement(
+            sid="DenyForeignKmsKey", effect=iam.Effect.DENY, principals=[iam.AnyPrincipal()],
+            actions=["s3:PutObject"], resources=[objects],
+            conditions={"StringNotEqualsIfExists": {"s3:x-amz-server-side-encryption-aws-kms-key-id": self.key.key_arn}}))
+        bucket.add_to_resource_policy(iam.PolicyStatement(
+            sid="DenySseC", effect=iam.Effect.DENY, principals=[iam.AnyPrincipal()],
+            actions=["s3:PutObject"], resources=[objects],
+            conditions={"Null": {"s3:x-amz-server-side-encryption-customer-algorithm": "false"}}))
         acknowledge(bucket, "Annotation::@aws-cdk/aws-s3:accessLogsPolicyNotAdded",
                     "The access-log bucket's own policy (network stack, AccessLogBucket) admits "
-                    "logging.s3.amazonaws.com for this account under s3-access-logs/.")
+                    "logging.s3.amazonaws.com for exactly these buckets under s3-access-logs/.")
         acknowledge(bucket.node.default_child, "HIPAA.Security::HIPAA.Security-S3BucketReplicationEnabled",
                     "Versioning + retention protect objects in-region; cross-region replication is an "
                     "organisation-level DR decision (S3 Replication can be added without code changes). "
                     "Training features and checkpoints are reproducible from the raw data.")
         return bucket
+
+    @staticmethod
+    def _nodes_only_through_the_endpoint(bucket: s3.Bucket, project: str, endpoint_id: str) -> None:
+        """The nodes' role reads and writes the data only from inside the VPC: its credentials,
+        taken off a node, are useless elsewhere. aws:SourceVpce is present only on requests
+        through a VPC endpoint (IAM global condition keys), so StringNotEquals also matches a
+        request from outside; aws:ViaAWSService exempts calls an AWS service makes with the
+        role's credentials. The lifecycle bucket is left out: HyperPod itself reads the
+        lifecycle scripts for the cluster (SourceS3Uri), from outside this VPC."""
+        bucket.add_to_resource_policy(iam.PolicyStatement(
+            sid="NodesOnlyThroughTheVpcEndpoint", effect=iam.Effect.DENY, principals=[iam.AnyPrincipal()],
+            actions=["s3:*"], resources=[bucket.bucket_arn, bucket.arn_for_objects("*")],
+            conditions={"ArnEquals": {"aws:PrincipalArn": execution_role_arn(project)},
+                        "StringNotEquals": {"aws:SourceVpce": endpoint_id},
+                        "Bool": {"aws:ViaAWSService": "false"}}))
+
+    def pin_file_system(self, file_system_id: str) -> None:
+        """Only THIS file system's FSx S3 service-linked role may use the data buckets (the key
+        policy admits FSx's role only by name pattern: it cannot name a file system encrypted
+        with itself). The role is AWSServiceRoleForFSxS3Access_<file system id>
+        (https://docs.aws.amazon.com/fsx/latest/LustreGuide/using-service-linked-roles.html)."""
+        fsx_roles = (f"arn:{cdk.Aws.PARTITION}:iam::{cdk.Aws.ACCOUNT_ID}:role/aws-service-role/"
+                     "s3.data-source.lustre.fsx.amazonaws.com/AWSServiceRoleForFSxS3Access_")
+        for bucket in (self.data, self.artefacts):
+            bucket.add_to_resource_policy(iam.PolicyStatement(
+                sid="OnlyThisFileSystemsDataRepositories", effect=iam.Effect.DENY,
+                principals=[iam.AnyPrincipal()], actions=["s3:*"],
+                resources=[bucket.bucket_arn, bucket.arn_for_objects("*")],
+                conditions={"ArnLike": {"aws:PrincipalArn": f"{fsx_roles}*"},
+                            "ArnNotEquals": {"aws:PrincipalArn": f"{fsx_roles}{file_system_id}"}}))
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -223,17 +232,21 @@ class StorageStack(cdk.Stack):
         logs = s3.Bucket.from_bucket_attributes(self, "AccessLogs", bucket_arn=network.access_logs.bucket_arn,
                                                 bucket_name=network.access_logs.bucket_name)
         self.buckets = Buckets(self, "Buckets", props=BucketsProps(
-            project=config.projectName, access_logs=logs, removal_policy=removal))
+            config=config, access_logs=logs, removal_policy=removal, s3_endpoint_id=network.s3_endpoint.ref))
         self.file_system = FileSystem(self, "FileSystem", props=FileSystemProps(
             storage_gib=config.fsxStorageGiB, throughput_per_tib=config.fsxThroughputPerTiB,
             subnet=network.cluster_subnet, security_group=network.security_group,
             security_group_rules=(network.self_ingress, network.self_egress),
             key=self.buckets.key, data=self.buckets.data, artefacts=self.buckets.artefacts,
             removal_policy=removal))
+        self.buckets.pin_file_system(self.file_system.file_system.ref)
+        self.trail = DataEventsTrail(self, "Trail", props=DataEventsTrailProps(
+            project=config.projectName, key=self.buckets.key, destination=logs,
+            buckets=(self.buckets.data, self.buckets.artefacts, self.buckets.lifecycle))) if config.cloudTrail else None
         self.accounting = None if network.accounting is None else AccountingDatabase(
             self, "SlurmAccounting", props=AccountingDatabaseProps(
                 project=config.projectName, vpc=network.vpc, network=network.accounting, key=self.buckets.key,
-                removal_policy=removal))
+                removal_policy=removal, log_retention_days=config.logRetentionDays))
         # Outputs live where the values are made (an output re-exporting an import is W6001).
         cdk.CfnOutput(self, "FsxDnsName", value=self.file_system.dns_name, description="FSx for Lustre DNS name")
         cdk.CfnOutput(self, "FsxMountName", value=self.file_system.mount_name,

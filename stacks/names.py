@@ -1,0 +1,53 @@
+"""Names the stacks agree on without cross-stack references (deterministic, with the account and
+region pseudo parameters as tokens): the buckets, the cluster execution role, the trail.
+
+Named rather than generated so that one stack's policy can name another stack's resource
+(the key policy and bucket policies in the storage stack name the execution role the cluster
+stack creates; the access-log bucket's policy in the network stack names the storage stack's
+buckets and trail) without a reference cycle between the stacks, and so that audit findings
+show readable ARNs.
+"""
+
+from __future__ import annotations
+
+import aws_cdk as cdk
+
+
+def bucket_names(project: str) -> dict[str, str]:
+    """Deterministic bucket names (with the account/region pseudo parameters as tokens).
+
+    Named rather than generated so that other stacks, IAM statements and the nodes'
+    platform-settings.json refer to them without cross-stack exports, and so that audit
+    findings show readable ARNs. HyperPod's managed instance policy
+    (AmazonSageMakerClusterInstanceRolePolicy) only reaches buckets named sagemaker-*,
+    hence the lifecycle bucket's prefix.
+    """
+    suffix = f"{cdk.Aws.ACCOUNT_ID}-{cdk.Aws.REGION}"
+    return {"data": f"{project}-data-{suffix}", "artefacts": f"{project}-artefacts-{suffix}",
+            "lifecycle": f"sagemaker-{project}-lc-{suffix}"}
+
+
+def bucket_arn(name: str) -> str:
+    return f"arn:{cdk.Aws.PARTITION}:s3:::{name}"
+
+
+def execution_role_name(project: str) -> str:
+    """The cluster execution role's fixed name: the key policy and the bucket policies name the
+    role (storage stack) before the cluster stack creates it. Per region: IAM names are global."""
+    return f"{project}-hyperpod-nodes-{cdk.Aws.REGION}"
+
+
+def execution_role_arn(project: str) -> str:
+    return f"arn:{cdk.Aws.PARTITION}:iam::{cdk.Aws.ACCOUNT_ID}:role/{execution_role_name(project)}"
+
+
+def trail_name(project: str) -> str:
+    return f"{project}-data-events"
+
+
+def trail_arn(project: str) -> str:
+    return f"arn:{cdk.Aws.PARTITION}:cloudtrail:{cdk.Aws.REGION}:{cdk.Aws.ACCOUNT_ID}:trail/{trail_name(project)}"
+
+
+def log_group_arn(name_pattern: str) -> str:
+    return f"arn:{cdk.Aws.PARTITION}:logs:{cdk.Aws.REGION}:{cdk.Aws.ACCOUNT_ID}:log-group:{name_pattern}"
