@@ -34,6 +34,7 @@
 #   trn         ... -> env-neuron (build /fsx/envs/neuron once per cluster) -> containers -> ready
 #   login       ... -> env-gpu (only the base Python the GPU env links to) -> containers -> ready
 #   (containers: enroot + pyxis checked and configured for container jobs; not on the controller)
+#   gpu, trn    ... -> containers -> ssh (SSH only for users with a job on the node) -> ready
 #   controller  ... -> accounts (slurmAccounting=true: Slurm account + user associations) -> ready
 #
 # Every line goes to stdout (HyperPod ships it to CloudWatch) and to
@@ -137,6 +138,10 @@ main() {
   # node; the controller runs none.
   case $NODE_ROLE in
     gpu | trn | login) run_step containers container_runtime.sh ;;
+  esac
+  # Compute nodes: SSH only for users with a job there (pam_slurm_adopt).
+  case $NODE_ROLE in
+    gpu | trn) run_step ssh ssh_access.sh ;;
   esac
   # With slurmAccounting=true: the cluster group's Slurm account and one association per user.
   case $NODE_ROLE in

@@ -63,7 +63,9 @@ class SlurmdbdUser(Construct):
 
         admin_secret = cluster.secret
         assert admin_secret is not None
-        logs = log_group(self, "Logs", retention_days=retention_days, key=key, removal=cdk.RemovalPolicy.DESTROY)
+        # Named under /aws/lambda/<stack name>-*, the pattern the key policy admits CloudWatch Logs for.
+        logs = log_group(self, "Logs", retention_days=retention_days, key=key, removal=cdk.RemovalPolicy.DESTROY,
+                         name=f"/aws/lambda/{cdk.Stack.of(self).stack_name}-slurmdbd-user")
         role = iam.Role(self, "Role", assumed_by=iam.ServicePrincipal("lambda.amazonaws.com"),
                         description="Deploy-time: creates slurmdbd's database user through the RDS Data API")
         self.policy = iam.ManagedPolicy(self, "Access", roles=[role], statements=[

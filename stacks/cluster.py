@@ -27,12 +27,12 @@ from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
 from stacks.accounting import AccountingDatabase
+from stacks.cluster_logs import ClusterLogGroup
 from stacks.common import acknowledge, ignore_cfn_lint, removal_policy
 from stacks.config import FSX_MOUNT, PlatformConfig
 from stacks.images import ImageRepositories
-from stacks.network import Network
-from stacks.cluster_logs import ClusterLogGroup
 from stacks.names import execution_role_name
+from stacks.network import Network
 from stacks.storage import StorageStack, bucket_names
 
 REPO = Path(__file__).resolve().parents[1]

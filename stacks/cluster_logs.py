@@ -34,7 +34,8 @@ class ClusterLogGroup(Construct):
         group_arns = [log_group_arn(f"/aws/sagemaker/Clusters/{cluster_name}/*")]
         # The handler's own log group, made first, with the same retention and key.
         handler_logs = log_group(self, "HandlerLogs", retention_days=retention_days, key=key,
-                                 removal=cdk.RemovalPolicy.DESTROY)
+                                 removal=cdk.RemovalPolicy.DESTROY,
+                                 name=f"/aws/lambda/{cdk.Stack.of(self).stack_name}-cluster-log-settings")
         policy = cr.AwsCustomResourcePolicy.from_statements([
             iam.PolicyStatement(actions=["logs:PutRetentionPolicy", "logs:AssociateKmsKey"], resources=group_arns)])
         calls = {

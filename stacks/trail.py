@@ -22,9 +22,8 @@ from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
 from stacks.common import acknowledge
-from stacks.network import TRAIL_PREFIX
 from stacks.names import trail_name
-
+from stacks.network import TRAIL_PREFIX
 
 
 @dataclass(kw_only=True, frozen=True)

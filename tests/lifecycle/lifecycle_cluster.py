@@ -67,7 +67,9 @@ STANDINS = {
     "srun": ('if [ "$1" = --help ]; then echo "Usage: srun [OPTIONS...]"; '
              'echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"; exit 0; fi\n'
              'echo "srun $1: not stood in" >&2; exit 1'),
-    "scontrol": ('if [ "$1" = ping ]; then\n'
+    # `scontrol show config` on a node: HyperPod's slurm.conf settings; here PrologFlags only.
+    "scontrol": ('if [ "$1" = show ] && [ "$2" = config ]; then echo "PrologFlags = ${STANDIN_PROLOG_FLAGS-Alloc,Contain}"; exit 0; fi\n'
+                 'if [ "$1" = ping ]; then\n'
                  '  if [ -f "$PLATFORM_ROOT/run/standin-units/slurmctld-reachable.active" ]; then\n'
                  '    echo "Slurmctld(primary) at controller-1 is UP"; exit 0\n  fi\n'
                  '  echo "Slurmctld(primary) at controller-1 is DOWN"; exit 1\nfi\n'
@@ -98,6 +100,9 @@ BASE_ACCOUNTS = {
     "gshadow": "root:*::\ndaemon:*::\nubuntu:!::\nnogroup:*::\n",
 }
 USERS = {"researcher": 2001, "analyst": 2002}
+SSHD_PAM = ("# PAM configuration for the Secure Shell service\n@include common-auth\naccount    required     pam_nologin.so\n"
+            "@include common-account\nsession [success=ok ignore=ignore module_unknown=ignore default=bad] pam_selinux.so close\n"
+            "@include common-session\n@include common-password\n")
 GROUP = ("sana", 2000)
 
 ROLES = {"controller": "controller", "login": "login", "gpu": "gpu", "trn": "trn"}
@@ -240,6 +245,10 @@ class Cluster:
         for name, text in BASE_ACCOUNTS.items():
             if not (root / "etc" / name).exists():
                 (root / "etc" / name).write_text(text)
+        # Ubuntu's sshd PAM stack (openssh-server's /etc/pam.d/sshd, its account part).
+        (root / "etc/pam.d").mkdir(parents=True, exist_ok=True)
+        if not (root / "etc/pam.d/sshd").exists():
+            (root / "etc/pam.d/sshd").write_text(SSHD_PAM)
         # The AMI registers pyxis with Slurm (awsome-distributed-ai base-config
         # utils/install_enroot_pyxis.sh checks for exactly this line), daemon up or not.
         (root / "opt/slurm/etc").mkdir(parents=True, exist_ok=True)

@@ -20,8 +20,10 @@ from lifecycle_cluster import GROUP, LOG_LINE, NODES, SLURM_DAEMON, USERS, Clust
 STEPS = {
     "controller": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "accounts", "ready"],
     "login": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
-    "gpu": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
-    "trn": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-neuron", "containers", "ready"],
+    "gpu": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ssh",
+            "ready"],
+    "trn": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-neuron", "containers",
+            "ssh", "ready"],
 }
 CONTRACT_VARS = ["SANA_ROLE", "SANA_FSX", "SANA_PLATFORM_DIR", "SANA_ENV_GPU", "SANA_ENV_NEURON",
                  "SANA_CHECKPOINT_ROOT", "SANA_LOG_ROOT", "SANA_DATA_ROOT", "SANA_RDZV_PORT",
@@ -227,8 +229,10 @@ def test_accelerator_nodes_ask_their_driver(cluster):
     # Each node only ASKS about its own part of Slurm; nothing starts or restarts a daemon.
     for node in NODES:
         slurm = {line for line in calls(node).splitlines() if line.startswith(("systemctl ", "scontrol "))}
-        expected = "scontrol ping" if role(node) == "login" else f"systemctl is-active {SLURM_DAEMON[role(node)]}"
-        assert slurm == {expected}, (node, slurm)
+        expected = {"scontrol ping"} if role(node) == "login" else {f"systemctl is-active {SLURM_DAEMON[role(node)]}"}
+        if role(node) in ("gpu", "trn"):
+            expected.add("scontrol show config")  # the ssh step reads PrologFlags
+        assert slurm == expected, (node, slurm)
 
 
 def test_no_step_writes_slurm_configuration(cluster):

@@ -7,10 +7,12 @@ variants are chosen to cover every shape the issue names with three apps:
 - ``gpu_only``: p4d, no Trainium group, no login group; synthesized through the REAL CDK CLI
   with ``-c`` overrides, which proves the CLI path and that ``-c`` changes the cluster.
 - ``trn_only``: trn2.48xlarge, no GPU group, login on, pinned to us-east-2 (the region
-  where cfn-lint's pricing data lists trn2.48xlarge), and continuousProvisioning off (the
-  legacy provisioning mode: no NodeProvisioningMode, node volumes on AWS owned keys).
+  where cfn-lint's pricing data lists trn2.48xlarge), continuousProvisioning off (the
+  legacy provisioning mode: no NodeProvisioningMode, node volumes on AWS owned keys), and
+  cloudTrail off.
 - ``accounting``: slurmAccounting on (Aurora MySQL + Secrets Manager + the DB subnets and
-  security group), with two users and a custom group.
+  security group), with two users, a custom group, named key administrators and users, and
+  another log retention.
 """
 
 from __future__ import annotations
@@ -34,8 +36,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "gpu_only": {"gpuInstanceType": "ml.p4d.24xlarge", "trnInstanceCount": "0", "loginInstanceCount": "0",
                  "gpuInstanceCount": "4", "deepHealthChecks": "false"},
     "trn_only": {"gpuInstanceCount": 0, "trnInstanceType": "ml.trn2.48xlarge", "trnInstanceCount": 2,
-                 "region": "us-east-2", "availabilityZoneId": "use2-az3", "continuousProvisioning": False},
-    "accounting": {"slurmAccounting": "true", "clusterUsers": "ana:2001,ben:2002", "clusterGroup": "lab:3000"},
+                 "region": "us-east-2", "availabilityZoneId": "use2-az3", "continuousProvisioning": False,
+                 "cloudTrail": False},
+    "accounting": {"slurmAccounting": "true", "clusterUsers": "ana:2001,ben:2002", "clusterGroup": "lab:3000",
+                   "keyAdministrators": ["arn:aws:iam::123456789012:role/platform-admin"],
+                   "keyUsers": "arn:aws:iam::123456789012:role/data-engineer,arn:aws:iam::123456789012:user/ana",
+                   "logRetentionDays": 365},
 }
 CLI_VARIANTS = {"gpu_only"}
 

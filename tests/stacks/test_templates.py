@@ -298,29 +298,25 @@ def test_execution_role_may_create_grants_on_the_platform_key_for_node_volumes(d
     assert "ReadAccountingDatabaseSecret" not in statements
 
 
-def test_key_policy_lets_the_cluster_roles_create_grants_via_sagemaker(default):
+def test_key_policy_lets_the_execution_role_create_grants_via_sagemaker(default):
     via_sagemaker = {"Fn::Join": ["", ["sagemaker.", {"Ref": "AWS::Region"}, ".amazonaws.com"]]}
-    cluster_roles = {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":iam::", {"Ref": "AWS::AccountId"},
-                                       ":role/sana-cluster-*"]]}
+    execution_role = {"Fn::Join": ["", ["arn:", {"Ref": "AWS::Partition"}, ":iam::", {"Ref": "AWS::AccountId"},
+                                        ":role/sana-hyperpod-nodes-", {"Ref": "AWS::Region"}]]}
     t = default.template("Storage")
     t.has_resource_properties("AWS::KMS::Key", {"KeyPolicy": {"Statement": Match.array_with([
-        Match.object_like({"Sid": "HyperPodNodeVolumesCreateGrant", "Action": "kms:CreateGrant", "Effect": "Allow",
+        Match.object_like({"Sid": "NodeVolumeGrants", "Action": "kms:CreateGrant", "Effect": "Allow",
                            "Condition": {"StringEquals": {"kms:CallerAccount": {"Ref": "AWS::AccountId"},
                                                           "kms:ViaService": via_sagemaker},
                                          "Bool": {"kms:GrantIsForAWSResource": "true"},
-                                         "ArnLike": {"aws:PrincipalArn": cluster_roles}}}),
-        Match.object_like({"Sid": "HyperPodNodeVolumesDescribeKey", "Action": "kms:DescribeKey",
-                           "Condition": Match.object_like({"ArnLike": {"aws:PrincipalArn": cluster_roles}})}),
+                                         "ArnEquals": {"aws:PrincipalArn": execution_role}}}),
     ])}})
-    # The pattern must match the execution role's real name: CloudFormation names it
-    # <stack name>-<logical id>-<suffix>, and the stack is named <project>-cluster.
-    assert default.platform.cluster.stack_name == "sana-cluster"
-    (role,) = default.resources("Cluster", "AWS::IAM::Role").keys() - {
-        k for k in default.resources("Cluster", "AWS::IAM::Role") if "CDKBucketDeployment" in k}
-    assert "RoleName" not in default.resources("Cluster", "AWS::IAM::Role")[role]["Properties"]
-    # No encryption-context condition anywhere in the key policy: HyperPod cannot pass one.
+    # The role named there is the execution role: the cluster stack gives it exactly that name.
+    (role,) = [r for k, r in default.resources("Cluster", "AWS::IAM::Role").items() if "ExecutionRole" in k]
+    assert role["Properties"]["RoleName"] == {"Fn::Join": ["", ["sana-hyperpod-nodes-", {"Ref": "AWS::Region"}]]}
+    # No encryption-context condition on the node-volume grants: HyperPod cannot pass one.
     (key,) = default.resources("Storage", "AWS::KMS::Key").values()
-    assert "EncryptionContext" not in json.dumps(key["Properties"]["KeyPolicy"])
+    grants = [st for st in key["Properties"]["KeyPolicy"]["Statement"] if st.get("Sid") == "NodeVolumeGrants"]
+    assert "EncryptionContext" not in json.dumps(grants)
 
 
 def test_no_accounting_resources_by_default(default):

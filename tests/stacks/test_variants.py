@@ -73,9 +73,9 @@ def test_accounting_database_is_wired_as_the_schema_names_it(accounting):
     storage = accounting.templates["Storage"]
     exports = {out["Export"]["Name"]: out["Value"] for out in storage["Outputs"].values() if "Export" in out}
     (db_id,) = accounting.resources("Storage", "AWS::RDS::DBCluster")
-    (attachment,) = accounting.resources("Storage", "AWS::SecretsManager::SecretTargetAttachment")
+    (secret,) = accounting.resources("Storage", "AWS::SecretsManager::Secret")  # slurmdbd's, not the admin's
     assert exports[db["Endpoint"]["Fn::ImportValue"]] == {"Fn::GetAtt": [db_id, "Endpoint.Address"]}
-    assert exports[db["SecretArn"]["Fn::ImportValue"]] == {"Ref": attachment}  # Ref = the secret's ARN
+    assert exports[db["SecretArn"]["Fn::ImportValue"]] == {"Ref": secret}  # Ref = the secret's ARN
 
 
 def test_accounting_aurora_is_serverless_v2_encrypted_private_and_backed_up(accounting):
@@ -86,13 +86,13 @@ def test_accounting_aurora_is_serverless_v2_encrypted_private_and_backed_up(acco
         "Engine": "aurora-mysql", "StorageEncrypted": True, "KmsKeyId": key, "Port": 3306,
         "ServerlessV2ScalingConfiguration": {"MinCapacity": 0.5, "MaxCapacity": 4},
         "BackupRetentionPeriod": 14, "DeletionProtection": True, "EnableIAMDatabaseAuthentication": True,
-        "EnableCloudwatchLogsExports": ["audit", "error", "general", "slowquery"],
+        "EnableCloudwatchLogsExports": ["audit", "error", "slowquery"],
     })
     instances = [r["Properties"] for r in accounting.resources("Storage", "AWS::RDS::DBInstance").values()]
     assert len(instances) == 2
     assert all(i["DBInstanceClass"] == "db.serverless" and i["PubliclyAccessible"] is False for i in instances)
     t.has_resource_properties("AWS::SecretsManager::Secret", {
-        "KmsKeyId": key, "Name": "sana/slurm-accounting",
+        "KmsKeyId": key, "Name": "sana/slurmdbd",
         "GenerateSecretString": Match.object_like({"SecretStringTemplate": '{"username":"slurm"}',
                                                    "GenerateStringKey": "password"})})
     (db,) = accounting.resources("Storage", "AWS::RDS::DBCluster").values()
@@ -116,15 +116,15 @@ def test_accounting_subnets_span_two_azs_and_have_no_route_out(accounting):
     assert len(props["SubnetIds"]) == 2
 
 
-def test_accounting_db_is_reachable_only_from_the_cluster_security_group(accounting):
+def test_accounting_db_is_reachable_only_from_the_controllers_client_group(accounting):
     groups = accounting.resources("Network", "AWS::EC2::SecurityGroup")
-    (db_sg,) = [k for k in groups if "Accounting" in k]
-    (cluster_sg,) = [k for k in groups if "ClusterSecurityGroup" in k]
+    (db_sg,) = [k for k in groups if "AccountingSecurityGroup" in k]
+    (client_sg,) = [k for k in groups if "AccountingClientSecurityGroup" in k]
     ingress = [r["Properties"] for r in accounting.resources("Network", "AWS::EC2::SecurityGroupIngress").values()
                if r["Properties"]["GroupId"] == {"Fn::GetAtt": [db_sg, "GroupId"]}]
     (rule,) = ingress
     assert (rule["IpProtocol"], rule["FromPort"], rule["ToPort"]) == ("tcp", 3306, 3306)
-    assert rule["SourceSecurityGroupId"] == {"Fn::GetAtt": [cluster_sg, "GroupId"]}
+    assert rule["SourceSecurityGroupId"] == {"Fn::GetAtt": [client_sg, "GroupId"]}
     assert "CidrIp" not in rule
     assert "SecurityGroupIngress" not in groups[db_sg]["Properties"]  # no inline (CIDR) rules
     # No egress from the database group (CDK's placeholder rule matches no traffic).

@@ -391,3 +391,35 @@ def test_node_profile_loading_keeps_what_was_submitted(tmp_path, monkeypatch):
     assert "FI_PROVIDER" not in os.environ
     cli._load_profile()
     assert os.environ["FI_PROVIDER"] == "efa"
+
+
+# --------------------------------------------------------------------------- instance metadata
+
+def test_imds_row_passes_when_refused_fails_when_reached_and_skips_off_ec2(monkeypatch):
+    """The smoke job's check of lifecycle_scripts/imds_block.sh, on loopback: a refused
+    connection is the block (PASS), an answer is the hole (FAIL), silence is no EC2 (SKIP)."""
+    import errno
+    import socket as socket_module
+
+    from training.smoke import SKIP
+
+    monkeypatch.setattr(checks.os, "getuid", lambda: 2001)
+    with socket_module.socket() as closed:  # a port nothing listens on: refused, as REJECT does
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    row = checks.imds_row("127.0.0.1", port)
+    assert row.verdict == PASS and "uid 2001 is refused" in row.detail
+    with socket_module.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        row = checks.imds_row("127.0.0.1", listening.getsockname()[1])
+    assert row.verdict == FAIL and "sudo iptables -S SANA-IMDS" in row.detail
+    def unreachable(*_args, **_kwargs):  # what a host without a link-local route answers
+        raise OSError(errno.ENETUNREACH, "Network is unreachable")
+
+    with monkeypatch.context() as m:
+        m.setattr(checks.socket, "create_connection", unreachable)
+        row = checks.imds_row()
+    assert row.verdict == SKIP and "not an EC2 node" in row.detail
+    monkeypatch.setattr(checks.os, "getuid", lambda: 0)
+    assert checks.imds_row("127.0.0.1", port).verdict == SKIP

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -216,6 +217,33 @@ def fsx_row(fsx: Path, log_dir: Path, *, require_lustre: bool = True, mounts: st
     return Row("fsx", PASS, f"{where}; flock excludes a second process")
 
 
+# --------------------------------------------------------------------------- instance metadata
+
+IMDS_HOST = "169.254.169.254"
+
+
+def imds_row(host: str = IMDS_HOST, port: int = 80, timeout_s: float = 2.0) -> Row:
+    """A job's user must not reach the instance metadata service (the node's credentials):
+    lifecycle_scripts/imds_block.sh rejects every uid but root and system services, so a
+    connection from this job is refused at once. Connected = the block is missing; no answer
+    at all = not an EC2 node (the local test path)."""
+    uid = os.getuid()
+    if uid == 0:
+        return Row("imds", SKIP, "this job runs as root, which keeps the instance metadata service; "
+                   "submit the smoke job as a cluster user to check the block")
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return Row("imds", PASS, f"uid {uid} is refused by the instance metadata service at {host} "
+                   "(no node credentials in jobs)")
+    except OSError as exc:
+        return Row("imds", SKIP, f"no instance metadata service answers at {host} ({exc.strerror or exc}): "
+                   "not an EC2 node")
+    return Row("imds", FAIL, f"uid {uid} reached the instance metadata service at {host}: the node's imds "
+               "step did not run or its rules are gone (`sudo iptables -S SANA-IMDS` on the node; re-run "
+               "the lifecycle there)")
+
+
 # --------------------------------------------------------------------------- S3
 
 def s3_row(bucket: str, key: str) -> Row:
@@ -229,6 +257,13 @@ def s3_row(bucket: str, key: str) -> Row:
                    "(/etc/profile.d/sana-platform.sh) lacks it; re-provision or export it")
     url = f"s3://{bucket}/{key}"
     body = f"sana smoke {uuid.uuid4().hex}\n".encode()
+    import boto3
+
+    if boto3.session.Session().get_credentials() is None:  # the default chain, IMDS last
+        # By design on the cluster: a cluster user's job has no AWS credentials (imds_block.sh);
+        # the data reaches jobs through FSx. The node role's S3 path is root's to check.
+        return Row("s3", SKIP, "this job has no AWS credentials (by design: jobs read and write S3 through "
+                   "FSx); `sudo sbatch smoke.sbatch` checks S3 with the node role")
     client = s3.client(max_attempts=3)
     try:
         s3.put_bytes(body, url, s3=client)
