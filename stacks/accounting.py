@@ -196,8 +196,10 @@ class AccountingDatabase(Construct):
         self.secret = secretsmanager.Secret(
             self, "SlurmdbdSecret", secret_name=f"{props.project}/slurmdbd", encryption_key=props.key,
             description="slurmdbd's login to the Slurm accounting database (rights on its schema only)",
+            removal_policy=props.removal_policy,
             generate_secret_string=secretsmanager.SecretStringGenerator(
-                secret_string_template=json.dumps({"username": SLURMDBD_USER}), generate_string_key="password",
+                secret_string_template=json.dumps({"username": SLURMDBD_USER}, separators=(",", ":")),
+                generate_string_key="password",
                 exclude_characters=" %+~`#$&*()|[]{}:;<>?!'/@\"\\", password_length=30))
         self.user = SlurmdbdUser(self, "SlurmdbdUser", cluster=self.cluster, user_secret=self.secret,
                                  schema=self.schema_name, key=props.key, retention_days=props.log_retention_days)
