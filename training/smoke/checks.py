@@ -263,7 +263,7 @@ def s3_row(bucket: str, key: str) -> Row:
         # By design on the cluster: a cluster user's job has no AWS credentials (imds_block.sh);
         # the data reaches jobs through FSx. The node role's S3 path is root's to check.
         return Row("s3", SKIP, "this job has no AWS credentials (by design: jobs read and write S3 through "
-                   "FSx); `sudo sbatch smoke.sbatch` checks S3 with the node role")
+                   "FSx); submit the smoke job as root to check S3 with the node role")
     client = s3.client(max_attempts=3)
     try:
         s3.put_bytes(body, url, s3=client)
