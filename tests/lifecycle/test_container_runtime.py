@@ -39,7 +39,7 @@ def node(tmp_path: Path, *, enroot: bool = True, plugstack: str | None = PYXIS_L
         (root / "opt" / "slurm" / "etc").mkdir(parents=True)
         (root / "opt" / "slurm" / "etc" / "plugstack.conf").write_text(plugstack)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PLATFORM_ROOT": str(root), "FSX": str(root / "fsx"),
-           "CFG_CLUSTER_GID": str(os.getgid())}
+           "CFG_CLUSTER_GID": str(os.getgid()), "CFG_CLUSTER_USERS": "ana:2001 ben:2002"}
     return root, env
 
 
@@ -61,7 +61,7 @@ def test_configures_enroot_on_nvme_with_the_cache_and_images_on_fsx(tmp_path):
         "ENROOT_RUNTIME_PATH": "/opt/dlami/nvme/tmp/enroot/user-$(id -u)",
         "ENROOT_DATA_PATH": "/opt/dlami/nvme/tmp/enroot/data/user-$(id -u)",
         "ENROOT_TEMP_PATH": "/opt/dlami/nvme/tmp",
-        "ENROOT_CACHE_PATH": "/fsx/enroot",
+        "ENROOT_CACHE_PATH": "${HOME}/.cache/enroot",
         "ENROOT_CONFIG_PATH": "${HOME}/.config/enroot",
         "ENROOT_SQUASH_OPTIONS": "-comp lzo -noD",
         "ENROOT_ROOTFS_WRITABLE": "yes",
@@ -70,10 +70,16 @@ def test_configures_enroot_on_nvme_with_the_cache_and_images_on_fsx(tmp_path):
     }
     # The AMI's own config is kept once, next to ours.
     assert "/run/enroot" in (root / "etc/enroot/enroot.conf.ami").read_text()
-    for path, mode in (("opt/dlami/nvme/tmp/enroot/data", 0o1777), ("fsx/enroot", 0o1777), ("fsx/images", 0o2775)):
+    # Root-only parents; each cluster user's runtime and container directory made for that user;
+    # the image store root's (imports are root's, import_image.sh).
+    for path, owner, mode in (("opt/dlami/nvme/tmp", 0, 0o1777), ("opt/dlami/nvme/tmp/enroot", 0, 0o755),
+                              ("opt/dlami/nvme/tmp/enroot/data", 0, 0o755),
+                              ("opt/dlami/nvme/tmp/enroot/user-2001", 2001, 0o700),
+                              ("opt/dlami/nvme/tmp/enroot/data/user-2002", 2002, 0o700),
+                              ("fsx/images", 0, 0o755), ("fsx/images/by-tag", 0, 0o755)):
         st = (root / path).stat()
-        assert stat.S_IMODE(st.st_mode) == mode, path
-    assert (root / "fsx/images").stat().st_gid == os.getgid()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (owner, mode), path
+    assert not (root / "fsx/enroot").exists()  # no shared layer cache
     assert "enroot 3.5.0 + pyxis ready" in done.stdout
     # Idempotent: a second run (node reboot, rollout) converges to the same file.
     before = (root / "etc/enroot/enroot.conf").read_text()
