@@ -421,5 +421,6 @@ def test_imds_row_passes_when_refused_fails_when_reached_and_skips_off_ec2(monke
         m.setattr(checks.socket, "create_connection", unreachable)
         row = checks.imds_row()
     assert row.verdict == SKIP and "not an EC2 node" in row.detail
+    assert checks.imds_row("127.0.0.1", port, local=True).verdict == SKIP  # tests: no provisioned node
     monkeypatch.setattr(checks.os, "getuid", lambda: 0)
     assert checks.imds_row("127.0.0.1", port).verdict == SKIP

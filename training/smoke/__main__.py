@@ -188,7 +188,7 @@ def run(local: bool) -> int:
                                                                   checks.node_addresses()))
     rows += _guard("fsx", lambda: checks.fsx_row(cfg.fsx, cfg.log_dir, require_lustre=not local))
     key = f"smoke/{cfg.cluster}/{os.environ['SLURM_JOB_ID']}-{_host()}.probe"
-    rows += _guard("imds", checks.imds_row)
+    rows += _guard("imds", lambda: checks.imds_row(local=local))
     rows += _guard("s3", checks.s3_row, cfg.artefacts_bucket, key)
     rows += _guard("gpu-allreduce", checks.gpu_allreduce, cfg, nodes)
     rows += _guard("trn-allreduce", checks.trn_checks, cfg, nodes)

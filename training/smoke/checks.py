@@ -222,11 +222,14 @@ def fsx_row(fsx: Path, log_dir: Path, *, require_lustre: bool = True, mounts: st
 IMDS_HOST = "169.254.169.254"
 
 
-def imds_row(host: str = IMDS_HOST, port: int = 80, timeout_s: float = 2.0) -> Row:
+def imds_row(host: str = IMDS_HOST, port: int = 80, timeout_s: float = 2.0, *, local: bool = False) -> Row:
     """A job's user must not reach the instance metadata service (the node's credentials):
     lifecycle_scripts/imds_block.sh rejects every uid but root and system services, so a
     connection from this job is refused at once. Connected = the block is missing; no answer
-    at all = not an EC2 node (the local test path)."""
+    at all = not an EC2 node. The local path (tests) has no provisioned node to check."""
+    if local:
+        return Row("imds", SKIP, "local path: no node provisioned by the lifecycle here "
+                   "(tests/lifecycle/test_imds_block.py checks its rules)")
     uid = os.getuid()
     if uid == 0:
         return Row("imds", SKIP, "this job runs as root, which keeps the instance metadata service; "
