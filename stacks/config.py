@@ -223,7 +223,7 @@ class PlatformConfig:
     clusterUsers: tuple[PosixAccount, ...] = (PosixAccount("researcher", 2001),)
     """POSIX users (name:uid) created on every node, homes under /fsx/home; members of clusterGroup."""
     clusterGroup: PosixAccount = PosixAccount("sana", 2000)
-    """Shared group (name:gid) that owns and may write /fsx/data, /fsx/checkpoints, /fsx/logs."""
+    """Shared group (name:gid): every user's primary group; it owns and may write /fsx/data and /fsx/artefacts."""
     continuousProvisioning: bool = True
     """NodeProvisioningMode Continuous: partial capacity, async retries; chosen at cluster creation."""
     slurmAccounting: bool = False
