@@ -100,7 +100,8 @@ class StepClock:
             if self.steps_seen in (self.warmup, self.total):
                 drain(backend.device)
                 now = time.perf_counter()
-                snapshot = stats() if stats is not None and backend.device.type == "xla" else None
+                # XLA graph compiles (Trainium), dynamo graphs with gpu.compile (None when off)
+                snapshot = stats() if stats is not None else None
                 if self.steps_seen == self.warmup:
                     self.t_start, self.compiles_at_start = now, snapshot
                 if self.steps_seen == self.total:
@@ -135,14 +136,33 @@ def make_backend(name: str, cfg: Any) -> Any:
     raise UserError(f"--backend {name}: must be 'gpu' or 'trainium'")
 
 
-def synthetic_spec(model_kwargs: dict[str, Any], text_tokens: int) -> dict[str, Any]:
-    """Feature shapes that feed this transformer: [C, S, S] latents, caption_channels text."""
+def synthetic_spec(model_kwargs: dict[str, Any], text_tokens: int, captions: Any = None) -> dict[str, Any]:
+    """Feature shapes that feed this transformer: [C, S, S] latents, caption_channels text,
+    and the real caption lengths (training/data/caption_lengths.py ``CaptionLengths``; None
+    or ``full``: every caption at the padded ``text_tokens``)."""
+    from training.data.caption_lengths import clipped
+
     size = int(model_kwargs.get("sample_size", 32))
-    return {"latent_shape": (int(model_kwargs.get("in_channels", 32)), size, size),
-            "text_dim": int(model_kwargs.get("caption_channels", 2304)),
-            "max_text_tokens": int(text_tokens),
-            # real captions are shorter than the padded length; storage only, not compute
-            "text_tokens": (max(1, text_tokens // 15), max(1, text_tokens * 2 // 5))}
+    spec: dict[str, Any] = {"latent_shape": (int(model_kwargs.get("in_channels", 32)), size, size),
+                            "text_dim": int(model_kwargs.get("caption_channels", 2304)),
+                            "max_text_tokens": int(text_tokens)}
+    lengths = getattr(captions, "lengths", None)
+    if lengths:
+        spec["text_lengths"] = clipped(lengths, int(text_tokens))
+    else:
+        spec["text_tokens"] = (int(text_tokens), int(text_tokens))
+    return spec
+
+
+def resolve_caption_lengths(choice: str, cfg: Any) -> Any:
+    """``--caption-lengths``: ``auto`` = the config's ``data.path`` when it is a local feature
+    directory (real captions: the lengths training will see), else ``full``."""
+    from training.data import caption_lengths
+
+    if choice == "auto":
+        path = Path(str(cfg.data.path))
+        choice = str(path) if (path / "index.json").is_file() else caption_lengths.FULL
+    return caption_lengths.load(choice)
 
 
 def ensure_synthetic_features(root: Path, spec: dict[str, Any], num_samples: int, *, write: bool) -> Path:
@@ -208,7 +228,8 @@ def resolve_accelerator(instance_type: str, info: dict[str, Any]) -> tuple[str, 
 
 def run_bench(cfg: Any, backend: Any, *, steps: int, warmup: int, instance_type: str = "local",
               data_label: str | None = None, command: str = "", notes: str = "",
-              memory_estimate: dict[str, Any] | None = None) -> BenchResult | None:
+              memory_estimate: dict[str, Any] | None = None, caption_lengths: str | None = None
+              ) -> BenchResult | None:
     """Train ``warmup + steps`` steps through ``training.loop.train`` and measure the last
     ``steps``. ``backend`` must be initialised. Returns the result on rank 0, None elsewhere."""
     from training.loop import train
@@ -230,7 +251,7 @@ def run_bench(cfg: Any, backend: Any, *, steps: int, warmup: int, instance_type:
                         window=sum(result.step_tokens[warmup:], StepTokens()),  # the timed steps' batches
                         final_loss=result.final_loss, compiles=(clock.compiles_at_start, clock.compiles_at_end),
                         instance_type=instance_type, data_label=data_label, command=command, notes=notes,
-                        memory_estimate=memory_estimate)
+                        memory_estimate=memory_estimate, caption_lengths=caption_lengths)
 
 
 def build_result(cfg: Any, backend: Any, *, seconds: float, steps: int, warmup: int, step_times: Sequence[float],
@@ -238,7 +259,7 @@ def build_result(cfg: Any, backend: Any, *, seconds: float, steps: int, warmup: 
                  compiles: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None),
                  instance_type: str = "local", data_label: str | None = None, command: str = "",
                  notes: str = "", memory_estimate: dict[str, Any] | None = None,
-                 reference: dict[str, Any] | None = None) -> BenchResult:
+                 reference: dict[str, Any] | None = None, caption_lengths: str | None = None) -> BenchResult:
     """The result of ``steps`` timed steps (``seconds`` device-synchronised wall time) that ran
     on the batches counted in ``window``."""
     from training.data import FeatureIndex
@@ -263,6 +284,7 @@ def build_result(cfg: Any, backend: Any, *, seconds: float, steps: int, warmup: 
         note_parts.append(f"ran {per_node} ranks per node; {instance_type} has {spec.devices} devices, so "
                           "per-instance throughput and cost understate a full node")
     compile_start, compile_end = compiles
+    compile_end = compile_end or {}
     return BenchResult(
         backend=backend.name,
         device_kind=device_kind(backend, info),
@@ -301,10 +323,14 @@ def build_result(cfg: Any, backend: Any, *, seconds: float, steps: int, warmup: 
         text_tokens_computed=window.per_sample("computed_text_tokens"),
         memory_estimate=memory_estimate,
         peak_memory_bytes=backend.peak_memory_bytes(),
-        compile_count=compile_end["compiles"] if compile_end else None,
-        compile_seconds=compile_end["compile_seconds"] if compile_end else None,
+        compile_count=compile_end.get("compiles"),
+        compile_seconds=compile_end.get("compile_seconds"),
         compiles_in_timed_steps=(compile_end["compiles"] - compile_start["compiles"]
                                  if compile_end and compile_start else None),
+        graph_breaks=compile_end.get("graph_breaks"),
+        graph_break_reasons=compile_end.get("graph_break_reasons"),
+        recompile_reasons=compile_end.get("recompile_reasons"),
+        caption_lengths=caption_lengths,
         final_loss=final_loss,
         reference=reference,
         versions=versions(),
@@ -550,6 +576,11 @@ def parser() -> argparse.ArgumentParser:
                    help="train on random features of the model's shapes instead of data.path")
     p.add_argument("--text-tokens", type=int, default=DEFAULT_TEXT_TOKENS,
                    help="padded caption length of synthetic features")
+    p.add_argument("--caption-lengths", default="auto",
+                   help="real caption lengths of synthetic features: a feature directory (its stored caption "
+                        "tokens), a JSON from python -m training.data.caption_lengths, 'full' (every caption at "
+                        "--text-tokens: caption trimming gains nothing), or 'auto' (default: data.path of the "
+                        "config when it is a local feature directory, else full)")
     p.add_argument("--synthetic-samples", type=int, default=0,
                    help="synthetic samples to write (default: 2 global batches, at least 16)")
     p.add_argument("--work-dir", help="scratch for synthetic features and the run dir "
@@ -649,7 +680,8 @@ def main_memory_table(args: argparse.Namespace) -> str:
 
 
 def compare_and_save(args: argparse.Namespace, cfg: Any, backend: Any, *, data_label: str | None,
-                     command: str, memory_estimate: dict[str, Any] | None) -> BenchResult | None:
+                     command: str, memory_estimate: dict[str, Any] | None,
+                     caption_lengths: str | None = None) -> BenchResult | None:
     """``--compare-reference``: both steps interleaved (training/reference_step.py), one result."""
     from training.reference_step import compare
 
@@ -670,22 +702,29 @@ def compare_and_save(args: argparse.Namespace, cfg: Any, backend: Any, *, data_l
         "mfu": flops.mfu(ref_tokens.per_sample("useful_flops"), per_accel, accelerator, cfg.precision),
         "mfu_padded": flops.mfu(ref_tokens.per_sample("computed_flops"), per_accel, accelerator, cfg.precision),
         "text_tokens_computed": ref_tokens.per_sample("computed_text_tokens"),
+        "text_tokens_real": ref_tokens.per_sample("real_text_tokens"),  # = ours: the same batches
         "repetitions": args.repetitions, "steps_per_repetition": args.steps,
         "seconds_ours": comp.seconds_ours, "seconds_reference": comp.seconds_reference,
+        "ratios": comp.ratios(), "ratio_median": statistics.median(comp.ratios()),
+        "compiled": comp.compiled,  # both sides compiled, or both eager
         "final_loss": comp.final_loss_reference, "weight_update_norm": comp.update_reference,
         "weight_update_norm_ours": comp.update_ours,
-        "description": "diffusers-style step (training/reference_step.py): fp32 model, whole-model DDP, "
-                       "autocast, AdamW (foreach), no compile, padded captions",
+        "description": comp.reference_description,
     }
     per_step = [t / args.steps for t in comp.seconds_ours for _ in range(args.steps)]
     result = build_result(cfg, backend, seconds=sum(comp.seconds_ours), steps=steps, warmup=args.warmup,
                           step_times=per_step, samples_per_step=comp.samples_per_step, window=comp.tokens,
                           final_loss=comp.final_loss_ours, instance_type=args.instance_type, data_label=data_label,
-                          command=command, notes=args.notes, memory_estimate=memory_estimate, reference=reference)
-    print(f"compare-reference: ours {ours:.3f} samples/s, reference {theirs:.3f} samples/s, ratio "
-          f"{ours / theirs:.3f}x; MFU ours {_pct(result.mfu)} (padded {_pct(result.mfu_padded)}), reference "
-          f"{_pct(reference['mfu'])} (padded {_pct(reference['mfu_padded'])}); {args.repetitions} interleaved "
-          f"repetitions x {args.steps} steps", flush=True)
+                          command=command, notes=args.notes, memory_estimate=memory_estimate, reference=reference,
+                          compiles=comp.compiles, caption_lengths=caption_lengths)
+    both = "both compiled" if comp.compiled else "both eager"
+    print(f"compare-reference ({both}): ours {ours:.3f} samples/s, reference {theirs:.3f} samples/s, ratio "
+          f"{ours / theirs:.3f}x (per repetition {', '.join(f'{r:.3f}' for r in comp.ratios())}; median "
+          f"{reference['ratio_median']:.3f}x); MFU ours {_pct(result.mfu)} (padded {_pct(result.mfu_padded)}), "
+          f"reference {_pct(reference['mfu'])} (padded {_pct(reference['mfu_padded'])}); real caption tokens "
+          f"{result.text_tokens_real:.1f} per sample on both sides, computed ours "
+          f"{result.text_tokens_computed:.1f} / reference {reference['text_tokens_computed']:.1f}; "
+          f"{args.repetitions} interleaved repetitions x {args.steps} steps", flush=True)
     return result
 
 
@@ -735,11 +774,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             backend.init()
             data_label = None
+            caption_label = f"real features ({cfg.data.path})"
             if args.synthetic:
                 world = int(os.environ.get("WORLD_SIZE", backend.world_size))
                 samples = args.synthetic_samples or max(16, 2 * cfg.data.batch_size * world
                                                         * cfg.optim.grad_accum_steps)
-                spec = synthetic_spec(cfg.model.model_kwargs(), args.text_tokens)
+                captions = resolve_caption_lengths(args.caption_lengths, cfg)
+                caption_label = captions.describe()
+                if backend.is_main:
+                    print(f"bench: synthetic captions, lengths from {caption_label}", flush=True)
+                spec = synthetic_spec(cfg.model.model_kwargs(), args.text_tokens, captions)
                 path = ensure_synthetic_features(root, spec, samples, write=backend.local_rank == 0)
                 backend.barrier()  # local rank 0 wrote the node's copy
                 cfg.data.path = str(path)
@@ -747,11 +791,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             command = "python -m training.bench " + shlex.join(sys.argv[1:] if argv is None else list(argv))
             if args.compare_reference:
                 result = compare_and_save(args, cfg, backend, data_label=data_label, command=command,
-                                          memory_estimate=memory_estimate)
+                                          memory_estimate=memory_estimate, caption_lengths=caption_label)
             else:
                 result = run_bench(cfg, backend, steps=args.steps, warmup=args.warmup,
                                    instance_type=args.instance_type, data_label=data_label, command=command,
-                                   notes=args.notes, memory_estimate=memory_estimate)
+                                   notes=args.notes, memory_estimate=memory_estimate,
+                                   caption_lengths=caption_label)
         finally:
             backend.close()
         if result is not None:

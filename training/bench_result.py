@@ -81,10 +81,15 @@ class BenchResult:
     # repetitions, steps_per_repetition, seconds_ours, seconds_reference, final_loss, description}
     reference: dict[str, Any] | None = None
     peak_memory_bytes: int | None  # peak accelerator memory of rank 0 (None where not reported)
-    compile_count: int | None  # XLA graph compilations in the whole run (Trainium; None on GPU)
-    compile_seconds: float | None  # seconds spent compiling (Trainium; None on GPU)
-    compiles_in_timed_steps: int | None  # compilations inside the timed window (must be 0)
+    compile_count: int | None  # graphs compiled in the whole run: XLA graphs (Trainium), dynamo graphs
+    # (GPU with gpu.compile; training/compile.py compile_stats); None where nothing compiles (GPU eager)
+    compile_seconds: float | None  # seconds spent compiling (same sources)
+    compiles_in_timed_steps: int | None  # compilations inside the timed window (must be 0: a recompile)
     final_loss: float | None  # last logged loss (sanity: finite)
+    graph_breaks: int | None = None  # dynamo graph breaks in the whole run (GPU gpu.compile; must be 0)
+    graph_break_reasons: list[str] | None = None  # the first line of the most frequent break reasons
+    recompile_reasons: list[str] | None = None  # guard failures that made dynamo compile a frame again
+    caption_lengths: str | None = None  # where the captions' real lengths came from (synthetic features)
     # --- provenance ---------------------------------------------------------------------------
     versions: dict[str, str]  # python, torch, torch_xla / cuda / diffusers ... as strings
     timestamp: str  # ISO-8601 UTC time the run finished
@@ -152,6 +157,10 @@ class BenchResult:
                 raise ValueError(f"reference: samples_per_s_total must be a number > 0, got {sps!r}")
             if not math.isclose(float(ref.get("ratio", -1)), self.samples_per_s_total / sps, rel_tol=1e-6):
                 raise ValueError("reference: ratio disagrees with samples_per_s_total / reference samples_per_s_total")
+        for name in ("compile_count", "compiles_in_timed_steps", "graph_breaks"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name}: must be >= 0, got {value}")
         if self.bytes_per_sample is not None and self.bytes_per_sample <= 0:
             raise ValueError(f"bytes_per_sample: must be > 0, got {self.bytes_per_sample}")
 

@@ -13,6 +13,12 @@ Differences from torchtitan, on purpose:
   through ``block.__call__``) still run eagerly around the compiled forward.
 - ``dynamic=False``: shapes are static per resolution bucket (one graph per bucket shape);
   dynamic shapes would trade kernel quality for fewer compiles, and a run sees few buckets.
+- What a block sees decides how many graphs there are: the FSDP2 unit is the whole block
+  (training/backends/gpu.py ``_fully_shard``), so no FSDP hook runs inside a compiled
+  forward and the block, its checkpoint region included, is one graph with no break. Under
+  bf16 autocast block 0 receives the bf16 patch embedding and later blocks the fp32 residual
+  stream, so a run compiles two graphs per shape, whatever the depth
+  (tests/training/test_compile.py counts them with ``compile_stats``).
 - The inductor cache (``TORCHINDUCTOR_CACHE_DIR`` with the FX-graph cache on) lives on
   shared storage for the cluster, per user: a restart or the next job on any node loads
   compiled kernels instead of compiling again (torch docs "Compile Time Caching
@@ -25,6 +31,7 @@ import getpass
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -88,3 +95,48 @@ def compile_blocks(model: nn.Module, *, fullgraph: bool = False) -> int:
         os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch default"),
     )
     return len(blocks)
+
+
+#: graph-break / recompile reasons kept in ``compile_stats`` (the first line of each, most frequent first)
+REASONS_KEPT = 5
+
+
+def compile_stats() -> dict[str, Any]:
+    """What dynamo compiled in this process so far, from torch 2.13's own counters.
+
+    Sources (torch/_dynamo): ``utils.counters["frames"]["ok"]`` counts frames dynamo
+    converted (convert_frame.py ``ConvertFrame.__call__``), ``counters["stats"]["unique_graphs"]``
+    each FX graph handed to the backend (output_graph.py ``compile_and_call_fx_graph``),
+    ``counters["graph_break"][reason]`` each graph break (symbolic_convert.py, category
+    "graph_break"); ``utils.get_compilation_metrics()`` one record per frame compile (forward)
+    and per AOT backward compile, with the guard failure that caused a recompile
+    (``recompile_reason``) and its ``duration_us``. The metrics deque keeps the last 64
+    records (``DEFAULT_COMPILATION_METRICS_LIMIT``): enough for per-block compile, which
+    compiles a few graphs per shape; the counters are unbounded.
+
+    ``compiles`` still growing after warm-up means a recompiling step; ``graph_breaks`` > 0
+    means part of a compiled region runs eagerly.
+    """
+    from torch._dynamo.utils import counters, get_compilation_metrics
+
+    metrics = get_compilation_metrics()
+    breaks = counters["graph_break"]
+    recompiles = [m.recompile_reason for m in metrics if m.recompile_reason]
+
+    def first_lines(reasons: list[str]) -> list[str]:
+        seen: dict[str, int] = {}
+        for reason in reasons:
+            line = reason.strip().splitlines()[0] if reason.strip() else "?"
+            seen[line] = seen.get(line, 0) + 1
+        return [line for line, _ in sorted(seen.items(), key=lambda kv: -kv[1])[:REASONS_KEPT]]
+
+    return {
+        "frames": int(counters["frames"]["ok"]),
+        "frames_failed": int(counters["frames"]["total"] - counters["frames"]["ok"]),
+        "compiles": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(breaks.values())),
+        "graph_break_reasons": first_lines([r for r, n in breaks.most_common() for _ in range(n)]),
+        "recompiles": len(recompiles),
+        "recompile_reasons": first_lines(recompiles),
+        "compile_seconds": round(sum((m.duration_us or 0) for m in metrics) / 1e6, 3),
+    }

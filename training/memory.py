@@ -450,8 +450,9 @@ def estimate_gpu(cfg: Any, *, world_size: int, mesh: str | None = None, ac: str 
     params, no_blocks = _param_counts(_frozen(kw))
     block = (params - no_blocks) // max(1, layers)
     root = params - block * layers
-    compute_bytes = 2 if cfg.precision == "bf16-mixed" else 4
-    gathered = (_GATHERED_BLOCKS * block * compute_bytes + root * 4) if shard > 1 else 0
+    # FSDP units gather fp32 parameters in every precision (training/backends/gpu.py
+    # ``_fully_shard``: autocast casts per op, as under DDP)
+    gathered = (_GATHERED_BLOCKS * block * 4 + root * 4) if shard > 1 else 0
     weights = params * 4 // shard + gathered
     if mesh == "ddp":  # one process has no DDP wrapper, hence no bucket copy
         grads = params * 4 * (2 if n > 1 else 1)

@@ -1,25 +1,38 @@
-"""A diffusers-style Sana training step: the baseline ``bench --compare-reference`` measures against.
+"""A diffusers-style Sana training step, tuned: the baseline ``bench --compare-reference`` measures against.
 
 Written the way diffusers' example trains Sana (examples/dreambooth/train_dreambooth_lora_sana.py,
 diffusers v0.32+, the training loop inside ``main``), with the full model trained instead of
 LoRA adapters, as diffusers' full fine-tuning examples do (train_text_to_image.py: fp32 model,
-``accelerator.autocast`` under ``--mixed_precision bf16``):
+``accelerator.autocast`` under ``--mixed_precision bf16``), and then given every speed-up a
+careful user of that script would switch on, so a ratio against it measures our design and
+not a handicap of the baseline:
 
 - the model: diffusers' ``SanaTransformer2DModel`` with diffusers' own init and attention
   processors, fp32 weights, wrapped as a whole in DDP when there are several ranks
-  (``accelerator.prepare``), not compiled;
-- timesteps: ``u = compute_density_for_timestep_sampling("logit_normal", ...)``
+  (``accelerator.prepare``), with ``gradient_as_bucket_view`` (as ours);
+- compiled when ours is: each ``SanaTransformerBlock`` with ``block.compile()``, which is
+  diffusers' regional compilation (``ModelMixin.compile_repeated_blocks`` compiles every
+  sub-module whose class is in ``_repeated_blocks``; SanaTransformer2DModel leaves that list
+  empty, so the blocks are compiled here by hand, as that method would);
+- timesteps: ``u = compute_density_for_timestep_sampling("logit_normal", ..., device=...)``
   (diffusers training_utils.py: sigmoid of a normal), ``indices = (u * num_train_timesteps).long()``,
-  ``timesteps = scheduler.timesteps[indices]``, sigmas looked up per sample with the script's
-  ``get_sigmas`` (one ``(schedule_timesteps == t).nonzero().item()`` per sample, a host sync
-  each, as the script does), from a ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)``;
+  ``timesteps = scheduler.timesteps[indices]`` from a
+  ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)``. The script's ``get_sigmas`` looks each
+  timestep up with ``(schedule_timesteps == t).nonzero().item()`` (one host sync per sample);
+  here ``sigmas[indices]`` on the device, the same values (the timestep at an index is
+  unique in the schedule; tests/training/test_bench.py) without a sync;
 - ``noisy = (1 - sigma) * x + sigma * noise``, target ``noise - x``, loss = per-sample mean of
   ``weighting * (pred.float() - target.float()) ** 2`` then the mean (``weighting`` = 1 for
   logit_normal: ``compute_loss_weighting_for_sd3``);
 - forward under ``torch.autocast(bf16)`` for bf16-mixed; ``loss.backward()``,
   ``clip_grad_norm_`` on all parameters, ``optimizer.step()``, ``optimizer.zero_grad()``;
-- ``torch.optim.AdamW`` with the default (foreach, not fused) implementation;
-- captions at the full padded length (the script encodes every prompt to ``max_sequence_length``).
+- ``torch.optim.AdamW(fused=True)`` where the parameters' device has the fused kernel
+  (training/optim.py ``fused_supported``), else torch's default;
+- batches arrive from pinned host memory (``compare`` pins them once) and are copied with
+  ``non_blocking=True``;
+- captions at the full padded length (the script encodes every prompt to
+  ``max_sequence_length`` with ``padding="max_length"``), from the same batches, hence the
+  same real caption lengths, as our step.
 
 What it leaves out of the script: the data loader, VAE encoding (latents come precomputed, as
 with ``--cache_latents``), the LR scheduler step (a constant schedule is a no-op) and logging.
@@ -49,6 +62,7 @@ class ReferenceStep:
         flow_shift, logit_mean, logit_std: the timestep distribution (as our objective).
         vae_scaling_factor: latents are stored unscaled (training/data.py).
         world_size: > 1 wraps the model in DDP (process group already initialised).
+        compile: compile each transformer block (diffusers' regional compilation).
     """
 
     def __init__(
@@ -67,36 +81,45 @@ class ReferenceStep:
         logit_std: float = 1.0,
         vae_scaling_factor: float = 1.0,
         world_size: int = 1,
+        compile: bool = False,
     ) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler, SanaTransformer2DModel
+
+        from training.optim import fused_supported
 
         self.device = device
         self.autocast = precision == "bf16-mixed"
         with torch.device(device):
             model: nn.Module = SanaTransformer2DModel(**model_kwargs)
         model.train()
+        self.compiled = bool(compile)
+        if compile:
+            for block in model.transformer_blocks:
+                block.compile()
         self.inner = model
         if world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             model = DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None
+                model, device_ids=[device.index] if device.type == "cuda" else None,
+                gradient_as_bucket_view=True,
             )
         self.model = model
+        params = list(self.inner.parameters())
+        self.fused = fused_supported([params])
         self.optimizer = torch.optim.AdamW(
-            self.inner.parameters(), lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=self.fused or None
         )
         self.scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=flow_shift)
+        self.sigmas = self.scheduler.sigmas.to(device=device, dtype=torch.float32)
+        self.timesteps = self.scheduler.timesteps.to(device)
         self.max_grad_norm = max_grad_norm
         self.logit_mean, self.logit_std = logit_mean, logit_std
         self.scale = float(vae_scaling_factor)
 
-    def _sigmas(self, timesteps: torch.Tensor, n_dim: int) -> torch.Tensor:
-        """The script's ``get_sigmas``: each timestep looked up in the schedule (a sync per sample)."""
-        sigmas = self.scheduler.sigmas.to(device=self.device, dtype=torch.float32)
-        schedule = self.scheduler.timesteps.to(self.device)
-        indices = [(schedule == t).nonzero().item() for t in timesteps.to(self.device)]
-        sigma = sigmas[indices].flatten()
+    def _sigmas(self, indices: torch.Tensor, n_dim: int) -> torch.Tensor:
+        """Sigma of each sample's timestep index, on the device (no host sync), broadcastable."""
+        sigma = self.sigmas[indices].flatten()
         while sigma.ndim < n_dim:
             sigma = sigma.unsqueeze(-1)
         return sigma
@@ -114,15 +137,16 @@ class ReferenceStep:
             batch_size=x.shape[0],
             logit_mean=self.logit_mean,
             logit_std=self.logit_std,
+            device=self.device,
         )
         indices = (u * self.scheduler.config.num_train_timesteps).long()
-        timesteps = self.scheduler.timesteps[indices].to(device=self.device)
-        sigmas = self._sigmas(timesteps, x.ndim)
+        timesteps = self.timesteps[indices]
+        sigmas = self._sigmas(indices, x.ndim)
         noisy = (1.0 - sigmas) * x + sigmas * noise
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             pred = self.model(
                 hidden_states=noisy,
-                encoder_hidden_states=batch["text"],
+                encoder_hidden_states=batch["text"].float(),
                 encoder_attention_mask=batch["text_mask"],
                 timestep=timesteps,
                 return_dict=False,
@@ -134,6 +158,12 @@ class ReferenceStep:
         self.optimizer.step()
         self.optimizer.zero_grad()
         return loss.detach()
+
+    def describe(self) -> str:
+        return ("diffusers-style step (training/reference_step.py): fp32 model, whole-model DDP, bf16 autocast, "
+                f"AdamW ({'fused' if self.fused else 'default'}), "
+                f"{'per-block compile (diffusers regional compilation)' if self.compiled else 'eager'}, "
+                "no per-sample host syncs, pinned batches, padded captions")
 
 
 # ----- ours vs the reference, interleaved in one process -------------------------------------
@@ -153,6 +183,14 @@ class Comparison:
     update_reference: float
     tokens: Any  # training.text_trim.StepTokens over our timed steps (rank 0)
     reference_tokens: Any  # the same for the reference's (untrimmed) batches
+    reference_description: str = ""  # ReferenceStep.describe()
+    compiled: bool = False  # both sides compiled (ours per gpu.compile, the reference with it)
+    compiles: tuple[dict[str, Any] | None, dict[str, Any] | None] = (None, None)  # compile_stats at the
+    # end of the warm-up and at the end (both sides together; None when nothing compiles)
+
+    def ratios(self) -> list[float]:
+        """ours / reference samples/s of each interleaved repetition (= their time ratio)."""
+        return [r / o for o, r in zip(self.seconds_ours, self.seconds_reference, strict=True)]
 
     def samples_per_s(self, seconds: list[float]) -> float:
         return self.samples_per_step * self.steps_per_repetition * len(seconds) / sum(seconds)
@@ -194,8 +232,11 @@ def compare(
         raise UserError("--compare-reference: compares full training; set lora.rank=0")
     torch.manual_seed(cfg.seed)
     loader = FeatureLoader.from_config(cfg.data, rank=backend.rank, world_size=backend.world_size)
+    cuda = backend.device.type == "cuda"
     try:
-        host = [{k: v.clone() for k, v in next(loader).items()} for _ in range(batches_in_memory)]
+        # pinned once, as a pinned loader hands them out (data.pin_memory): both sides copy asynchronously
+        host = [{k: (v.pin_memory() if cuda else v.clone()) for k, v in next(loader).items()}
+                for _ in range(batches_in_memory)]
         null_text, null_mask = loader.null_caption()
         scaling = loader.index.vae_scaling_factor
     finally:
@@ -236,7 +277,9 @@ def compare(
         logit_std=cfg.objective.logit_std,
         vae_scaling_factor=scaling,
         world_size=backend.world_size,
+        compile=bool(getattr(cfg.gpu, "compile", False)),  # compile on for both, or off for both
     )
+    stats = getattr(backend, "compile_stats", lambda: None)
     before = (_weights_sample(inner), _weights_sample(reference.inner))
     ours_tokens: list[StepTokens] = []
     ref_tokens: list[StepTokens] = []
@@ -264,12 +307,19 @@ def compare(
     for _ in range(warmup):
         ours()
         ref()
+    drain(backend.device)
+    at_start = stats()
     t_ours: list[float] = []
     t_ref: list[float] = []
     for _ in range(repetitions):
         t_ours.append(timed(ours))
         t_ref.append(timed(ref))
+    at_end = stats()
     after = (_weights_sample(inner), _weights_sample(reference.inner))
+    mine, theirs = sum(ours_tokens[warmup:], StepTokens()), sum(ref_tokens[warmup:], StepTokens())
+    if mine.real_text_tokens != theirs.real_text_tokens:  # same batches, so the same real captions
+        raise RuntimeError(f"compare: ours saw {mine.real_text_tokens} real caption tokens, the reference "
+                           f"{theirs.real_text_tokens}; the two sides must train on the same batches")
     return Comparison(
         steps_per_repetition=steps,
         seconds_ours=t_ours,
@@ -279,6 +329,9 @@ def compare(
         final_loss_reference=float(losses["ref"].float().cpu()),
         update_ours=float((after[0] - before[0]).norm()),
         update_reference=float((after[1] - before[1]).norm()),
-        tokens=sum(ours_tokens[warmup:], StepTokens()),
-        reference_tokens=sum(ref_tokens[warmup:], StepTokens()),
+        tokens=mine,
+        reference_tokens=theirs,
+        reference_description=reference.describe(),
+        compiled=reference.compiled,
+        compiles=(at_start, at_end),
     )

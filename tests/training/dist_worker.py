@@ -25,9 +25,14 @@ def main(argv: list[str]) -> None:
         local = {k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu().clone()
                  for k, v in inner.state_dict().items()}
         full = backend.model_state_dict(result.model)  # collective
+        # where the last step's gradients live: one storage per DDP bucket with
+        # gradient_as_bucket_view, one per parameter otherwise
+        grads = [p.grad for p in inner.parameters() if p.grad is not None and not hasattr(p.grad, "to_local")]
+        storages = {g.untyped_storage().data_ptr() for g in grads}
         dump.mkdir(parents=True, exist_ok=True)
         torch.save({"local": local, "full": full, "loss": result.final_loss,
-                    "describe": backend.describe()}, dump / f"rank-{backend.rank}.pt")
+                    "describe": backend.describe(),
+                    "grads": len(grads), "grad_storages": len(storages)}, dump / f"rank-{backend.rank}.pt")
     finally:
         backend.close()
 

@@ -72,13 +72,20 @@ def test_loop_step_costs_at_most_110_percent_of_a_bare_step(tmp_path):
     assert statistics.median([result.loop_wall_s, result.bare_wall_s]) > 0
 
 
+def _lengths(tmp_path: Path, lengths: list[int]) -> str:
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps({"source": "test captions", "lengths": lengths}))
+    return str(path)
+
+
 def test_bench_records_mfu_on_real_tokens_and_trimmed_text(tmp_path):
     out = tmp_path / "trim.json"
     bench.main(["--backend", "gpu", "--config", str(REPO / "training/configs/tiny-cpu.yaml"),
                 "--set", "tensorboard=false", "--set", "text_trim.lengths=[8, 16, 32]", "--steps", "2",
                 "--warmup", "1", "--synthetic", "--text-tokens", "40", "--work-dir", str(tmp_path / "work"),
-                "--out", str(out)])
+                "--caption-lengths", _lengths(tmp_path, list(range(2, 17))), "--out", str(out)])
     r = BenchResult.load(out)
+    assert r.caption_lengths.startswith("test captions (via lengths.json): 15 captions")
     assert r.text_tokens == 40 and 8 <= r.text_tokens_computed <= 16  # synthetic captions: 2..16 real tokens
     assert 2 <= r.text_tokens_real <= 16 and r.text_tokens_real <= r.text_tokens_computed
     assert r.train_flops_per_sample < r.train_flops_per_sample_computed < flops.train_flops_per_sample(
@@ -92,8 +99,9 @@ def test_compare_reference_runs_both_steps_interleaved_and_writes_both(tmp_path,
                 "--set", "tensorboard=false", "--set", "text_trim.lengths=[8, 16, 32]", "--compare-reference",
                 "--set", "precision=bf16-mixed",  # what gpu-check.sh compares (autocast on both sides)
                 "--steps", "2", "--warmup", "1", "--repetitions", "3", "--synthetic", "--text-tokens", "40",
+                "--caption-lengths", _lengths(tmp_path, list(range(2, 17))),
                 "--work-dir", str(tmp_path / "work"), "--out", str(out)])
-    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("compare-reference:")]
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("compare-reference (both eager):")]
     assert len(line) == 1 and "ratio" in line[0] and "3 interleaved repetitions x 2 steps" in line[0]
     r = BenchResult.load(out)  # validates the reference block (ratio = ours / reference)
     ref = r.reference
@@ -102,13 +110,18 @@ def test_compare_reference_runs_both_steps_interleaved_and_writes_both(tmp_path,
     assert math.isclose(ref["samples_per_s_total"], 4 * 6 / sum(ref["seconds_reference"]))
     assert math.isclose(ref["ratio"], r.samples_per_s_total / ref["samples_per_s_total"])
     assert ref["text_tokens_computed"] == 40 and r.text_tokens_computed < 40  # reference: padded captions
+    assert ref["text_tokens_real"] == r.text_tokens_real  # the same batches, the same real captions
+    assert ref["compiled"] is False and len(ref["ratios"]) == 3 and min(ref["ratios"]) <= ref["ratio_median"]
+    assert "fused" in ref["description"] and "eager" in ref["description"]
     assert ref["weight_update_norm"] > 0 and ref["weight_update_norm_ours"] > 0  # both really trained
     assert math.isfinite(ref["final_loss"]) and math.isfinite(r.final_loss) and r.precision == "bf16-mixed"
 
 
 def test_reference_step_is_the_diffusers_recipe():
     """ReferenceStep trains diffusers' own model (no fp32 linear-attention processor, default
-    init) with plain AdamW, and reads sigmas from FlowMatchEulerDiscreteScheduler."""
+    init) with fused AdamW (CPU has the fused kernel since torch 2.4), and its on-device sigma
+    lookup gives what the script's per-sample ``(schedule == t).nonzero().item()`` gives, for
+    every index of the schedule."""
     import torch
 
     from training.reference_step import ReferenceStep
@@ -116,12 +129,13 @@ def test_reference_step_is_the_diffusers_recipe():
     torch.manual_seed(0)
     step = ReferenceStep(PRESETS["tiny"], device=torch.device("cpu"), precision="bf16-mixed", lr=1e-3,
                          flow_shift=3.0)
-    assert type(step.optimizer) is torch.optim.AdamW and not step.optimizer.defaults.get("fused")
+    assert type(step.optimizer) is torch.optim.AdamW and step.optimizer.defaults.get("fused") is True
     procs = {type(m.processor).__name__ for m in step.inner.modules() if hasattr(m, "processor")}
     assert "SanaLinearAttnProcessor2_0" in procs
-    t = step.scheduler.timesteps[[0, 500, 999]]
-    sig = step._sigmas(t, 1)
-    assert torch.allclose(sig, step.scheduler.sigmas[[0, 500, 999]])
+    indices = torch.arange(len(step.scheduler.timesteps))
+    sched = step.scheduler.timesteps
+    script = step.scheduler.sigmas[[(sched == t).nonzero().item() for t in sched[indices]]]
+    assert torch.equal(step._sigmas(indices, 1), script.float())
     gen = torch.Generator().manual_seed(1)
     batch = {"latents": torch.randn(2, 4, 8, 8, generator=gen), "text": torch.randn(2, 6, 8, generator=gen),
              "text_mask": torch.ones(2, 6, dtype=torch.long)}

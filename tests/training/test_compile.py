@@ -4,6 +4,7 @@ fp32 linear-attention region survives compilation, compiled loss and gradients e
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import os
 from pathlib import Path
@@ -14,6 +15,8 @@ import torch
 from training.backends.gpu import GpuBackend, GpuConfig
 from training.compile import compile_blocks, configure_cache, resolve_cache_dir
 from training.model import ModelConfig, build_model
+
+REAL_COMPILE = torch.compile
 
 
 def _model(layers: int = 2) -> torch.nn.Module:
@@ -150,9 +153,7 @@ def test_compiled_blocks_under_fsdp2_match_eager_and_do_not_recompile(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Compile, then fully_shard (one process, gloo): FSDP2's hooks run around the compiled
-    forwards; after the first step no new graphs are compiled; losses equal eager's. (bf16-mixed
-    nests FSDP units for attn1/attn2/ff inside each block: their hooks split a block into
-    several graphs, compiled per block instance; still none after step 1.)"""
+    forwards; after the first step no new graphs are compiled; losses equal eager's."""
     from torch._dynamo.utils import counters
 
     import training.compile as compile_mod
@@ -185,3 +186,90 @@ def test_compiled_blocks_under_fsdp2_match_eager_and_do_not_recompile(
     # intermediates differently, and AdamW steps carry that on; measured 2e-4 at step 3)
     assert losses[True][0] == pytest.approx(losses[False][0], rel=1e-6)
     assert losses[True] == pytest.approx(losses[False], rel=2e-3)
+
+
+# ----- the 1.6B recipe: FSDP2 + activation checkpointing + bf16-mixed + compile ---------------
+
+#: sana-1600m-1024's block structure (linear self-attention, cross-attention, Mix-FFN, adaLN
+#: tables) at tiny widths: 2 blocks, so "block 0" and "a later block" both exist
+TINY_1600M = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 8,
+              "num_cross_attention_heads": 2, "cross_attention_head_dim": 8, "cross_attention_dim": 16,
+              "caption_channels": 16, "in_channels": 4, "out_channels": 4, "sample_size": 8}
+
+
+def _recipe_steps(compile_: bool, monkeypatch: pytest.MonkeyPatch, steps: int = 3):
+    """The shipped 1.6B config (training/configs/sana-1600m-1024.yaml: fsdp, activation
+    checkpointing full, bf16-mixed) on one gloo rank at tiny widths: per step the loss, the
+    graph counts (training/compile.py ``compile_stats``) and how often compiled code ran."""
+    import training.compile as compile_mod
+    from training.compile import compile_stats
+    from training.config import load_config
+
+    cfg = load_config(["--config", str(Path(__file__).resolve().parents[2] / "training/configs/sana-1600m-1024.yaml"),
+                       "--set", f"gpu.compile={str(compile_).lower()}", "--set", "gpu.compile_cache_dir=''"])
+    assert (cfg.gpu.distributed, cfg.model.activation_checkpointing, cfg.precision) == ("fsdp", "full", "bf16-mixed")
+    calls = {"compiled": 0}
+    checkpoints: list[int] = []
+
+    def counting_aot_eager(gm: torch.fx.GraphModule, example_inputs):  # noqa: ANN001, ANN202
+        from torch._dynamo.backends.debugging import aot_eager
+
+        # the checkpoint region is inside the graph (a higher-order op), not around it
+        checkpoints.append(sum(1 for n in gm.graph.nodes if "checkpoint" in str(n.target)))
+        inner = aot_eager(gm, example_inputs)
+
+        def run(*args):  # noqa: ANN002, ANN202
+            calls["compiled"] += 1
+            return inner(*args)
+
+        return run
+
+    monkeypatch.setattr(compile_mod.torch, "compile",
+                        lambda fn, **kw: REAL_COMPILE(fn, **{**kw, "backend": counting_aot_eager}))
+    torch._dynamo.reset()  # caches; the counters are process-wide and survive it
+    torch._dynamo.utils.counters.clear()
+    torch._dynamo.utils.clear_compilation_metrics()
+    backend = GpuBackend(cfg.gpu, precision=cfg.precision)
+    backend.init()
+    per_step = []
+    try:
+        torch.manual_seed(0)
+        model = backend.prepare_model(build_model(dataclasses.replace(cfg.model, overrides=TINY_1600M)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(steps):
+            torch.manual_seed(10 + step)
+            args = (torch.randn(2, 4, 8, 8), torch.randn(2, 5, 16), torch.tensor([10.0, 900.0]))
+            with backend.autocast():
+                out = model(*args, encoder_attention_mask=torch.ones(2, 5), return_dict=False)[0]
+            loss = out.float().square().mean()
+            loss.backward()
+            backend.clip_and_step(model, opt, 1.0)
+            opt.zero_grad(set_to_none=True)
+            per_step.append({"loss": float(loss.detach()), "stats": compile_stats(), "calls": calls["compiled"]})
+    finally:
+        backend.close()
+    return per_step, checkpoints
+
+
+@pytest.mark.slow
+def test_the_1600m_recipe_compiles_whole_blocks_with_their_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graph counts for FSDP2 + full activation checkpointing + bf16-mixed + per-block compile
+    (aot_eager: dynamo + AOTAutograd, the parts that decide the graph structure, without
+    inductor's minutes of C++ compilation). Every block is ONE graph with no break, its
+    checkpoint inside; two graphs for any depth (block 0 sees the bf16 patch embedding, later
+    blocks the fp32 residual stream); every block of every step runs compiled code; nothing
+    compiles after the first step; the loss is eager's. Before one FSDP unit per block, the
+    nested attn1/attn2/ff units' hooks broke each block inside its checkpoint region: 4 graph
+    breaks, 0 graphs, everything eager."""
+    eager, _ = _recipe_steps(False, monkeypatch)
+    steps, checkpoints = _recipe_steps(True, monkeypatch)
+    first, last = steps[0]["stats"], steps[-1]["stats"]
+    assert first["graph_breaks"] == 0, first["graph_break_reasons"]
+    assert first["frames_failed"] == 0
+    assert first["compiles"] == 2 and first["frames"] == 2, first
+    assert first["recompiles"] == 1 and "dtype mismatch" in first["recompile_reasons"][0]
+    assert checkpoints == [1, 1]  # one checkpoint region in each graph
+    assert last["compiles"] == first["compiles"] and last["graph_breaks"] == 0  # no recompile after step 1
+    assert [s["calls"] for s in steps] == [2, 4, 6]  # both blocks compiled, every step
+    assert steps[0]["loss"] == pytest.approx(eager[0]["loss"], rel=1e-6)
+    assert [s["loss"] for s in steps] == pytest.approx([s["loss"] for s in eager], rel=2e-3)

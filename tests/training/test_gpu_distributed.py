@@ -72,6 +72,8 @@ def test_ddp_two_ranks_equal_one_process_with_double_batch(runs) -> None:
     assert ranks[1]["full"] == {}  # full state dicts come from rank 0 only
     assert_close(ranks[0]["full"], ref["single"][0]["full"])
     assert ranks[0]["describe"]["world_size"] == 2
+    # gradient_as_bucket_view: the gradients are views into DDP's buckets (no second copy)
+    assert ranks[0]["grads"] > 10 and ranks[0]["grad_storages"] <= 2, (ranks[0]["grads"], ranks[0]["grad_storages"])
 
 
 @pytest.mark.slow

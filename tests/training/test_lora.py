@@ -259,8 +259,8 @@ def test_export_refuses_a_busy_out_dir(lora_run, tmp_path, capsys):
 
 def test_bf16_mixed_fsdp_lora_step(lora_run, monkeypatch):
     """bf16-mixed under FSDP2 (one process) with full activation checkpointing, on a
-    from-scratch base: the adapters compute in bf16 (autocast, and FSDP's bf16 param_dtype
-    for the attention units that hold them), stay fp32 master weights and train; the frozen
+    from-scratch base: the adapters compute in bf16 (autocast casts them
+    as DDP does; FSDP gathers fp32), stay fp32 master weights and train; the frozen
     base stays the seeded init ``train`` builds."""
     import training.lora
     from training.lora import apply_lora as real_apply

@@ -202,6 +202,30 @@ def test_fsdp_bf16_mixed_casts_no_fp32_input_and_matches_ddp() -> None:
     assert fsdp["loss"] == pytest.approx(plain["loss"], rel=1e-4)
 
 
+def test_fsdp_root_output_is_its_own_tensor_not_a_view() -> None:
+    """diffusers' unpatchify returns a view; FSDP2 hooks the root's output for backward and
+    warns that an in-place op on a view would drop that hook. The backend hands out a
+    tensor of its own (torch stays silent) in both return forms, and backward still works."""
+    import warnings
+
+    backend = GpuBackend(GpuConfig(distributed="fsdp"), precision="bf16-mixed")
+    backend.init()
+    try:
+        torch.manual_seed(0)
+        model = backend.prepare_model(build_model(ModelConfig(preset="tiny", overrides={"num_layers": 2})))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with backend.autocast():
+                sample = model(**_inputs()).sample
+                tup = model(**_inputs(1), return_dict=False)[0]
+            (sample.float().square().mean() + tup.float().square().mean()).backward()
+    finally:
+        backend.close()
+    assert not [w for w in caught if "view tensor" in str(w.message)], [str(w.message) for w in caught]
+    assert sample._base is None and tup._base is None and sample.is_contiguous()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_gpu_pure_bf16_is_refused_with_one_line() -> None:
     with pytest.raises(UserError) as err:
         GpuBackend(GpuConfig(), precision="bf16")

@@ -7,9 +7,8 @@ state alone (~19 GiB) plus activations crowds an 80 GiB H100 under DDP.
 Precision modes (TrainConfig.precision):
 - ``fp32``: fp32 everywhere (TF32 matmuls on Ampere+ when ``gpu.tf32``).
 - ``bf16-mixed``: fp32 master weights and optimizer state, bf16 compute via autocast
-  (FSDP additionally gathers the attention/feed-forward parameters in bf16 and reduces their
-  gradients in fp32, and casts no forward inputs, so it computes what DDP + autocast does;
-  see ``_fully_shard``). What stays fp32 as in NVlabs Sana: the linear self-attention's
+  (under FSDP too: its units gather fp32 parameters and cast no forward inputs, so FSDP
+  computes exactly what DDP + autocast does; see ``_fully_shard``). What stays fp32 as in NVlabs Sana: the linear self-attention's
   matmuls and normaliser (training/attention.py), the timestep and its sinusoidal embedding,
   the adaLN modulation and residual stream, autocast's fp32 ops (norms, softmax), the loss.
 - ``bf16``: refused here (``UserError``), on purpose. Pure bf16 weights and AdamW state
@@ -143,6 +142,29 @@ def _bf16_compress_hook(device: torch.device) -> Callable[..., Any]:
     return gloo_bf16_compress_hook
 
 
+def _output_not_a_view(module: nn.Module, args: tuple, output: Any) -> Any:
+    """Forward hook on the FSDP root: a ``sample`` that is a view becomes its own tensor.
+
+    diffusers' ``SanaTransformer2DModel.forward`` unpatchifies with ``permute`` + ``reshape``,
+    which for patch_size 1 returns a (channels-last) view. FSDP2 registers its pre-backward
+    hook on the root's output, and an in-place op on a view would silently drop it
+    (torch/distributed/fsdp/_fully_shard/_fsdp_state.py ``_register_pre_backward_hook``
+    warns "returned a view tensor"). Nothing here modifies the output in place; the copy
+    (B x C x H x W, ~1 MB for 1.6B at batch 8) makes that safe for any caller and silences
+    the warning.
+    """
+    sample = getattr(output, "sample", output[0] if isinstance(output, tuple) else output)
+    if not torch.is_tensor(sample) or sample._base is None:
+        return output
+    sample = sample.clone(memory_format=torch.contiguous_format)
+    if isinstance(output, tuple):
+        return (sample, *output[1:])
+    if hasattr(output, "sample"):
+        output.sample = sample
+        return output
+    return sample
+
+
 def accelerator_key(device_name: str, memory_bytes: int) -> str:
     """torch's device name -> the training.flops accelerator key (its MFU peak), else the name.
 
@@ -223,8 +245,13 @@ class GpuBackend(Backend):
         elif self.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
+            # gradient_as_bucket_view: gradients are views into DDP's all-reduce buckets, not a
+            # second copy (~2.4 GB fp32 for 600M) that each backward copies into and out of
+            # (https://docs.pytorch.org/docs/stable/generated/torch.nn.parallel.DistributedDataParallel.html);
+            # the loop sets gradients to None each step, which DDP supports with bucket views.
             model = self._ddp = DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                gradient_as_bucket_view=True)
             if self.cfg.ddp_grad_compression == "bf16":
                 model.register_comm_hook(None, _bf16_compress_hook(self.device))
         return model
@@ -254,43 +281,50 @@ class GpuBackend(Backend):
         return init_device_mesh(self.device.type, (self.world_size,), mesh_dim_names=("shard",))
 
     def _fully_shard(self, model: nn.Module) -> nn.Module:
+        """FSDP2 over ``build_mesh()``: one unit per transformer block, then the root.
+
+        torchtitan's layout (torchtitan/models/llama3/infra/parallelize.py ``apply_fsdp``: one
+        ``fully_shard`` per TransformerBlock, after AC and per-block compile): a block's
+        all-gather / reduce-scatter hooks run on ``block.__call__``, around its compiled
+        forward, so nothing inside a compiled block calls into FSDP. FSDP2 runs its hooks
+        with dynamo disabled (torch/distributed/fsdp/_fully_shard/_fsdp_common.py
+        ``_dynamo_disable``): a unit nested inside a block would put a graph break inside
+        the block's forward, and with activation checkpointing that break falls inside the
+        checkpoint region, where dynamo cannot resume, so the whole block ran eagerly
+        (tests/training/test_compile.py counts the graphs).
+
+        Precision: every unit keeps its parameters in fp32 (no ``param_dtype``) and casts no
+        forward inputs (``cast_forward_inputs=False``); in ``bf16-mixed`` autocast casts each
+        op's inputs exactly as under DDP, so the timestep reaches its sinusoidal embedding in
+        fp32 and the adaLN scale-shift tables and the residual stream stay fp32
+        (benchmarks/bf16_numerics.py measured what bf16 copies of them cost). The price, on
+        purpose: a block's all-gather moves fp32 (4 bytes per parameter instead of 2 with a
+        bf16 ``param_dtype``); it overlaps the previous block's compute (FSDP2 prefetches one
+        unit ahead), and under HSDP it stays on NVLink inside a node. A bf16 ``param_dtype``
+        would need the tables in their own fp32 unit, i.e. nested units again.
+        https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html (MixedPrecisionPolicy)
+        """
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = self.mesh = self.build_mesh()
-        kw = dict(mesh=mesh, reshard_after_forward=self.cfg.fsdp_reshard_after_forward)
-        if self.precision != "bf16-mixed":
-            # One FSDP unit per transformer block (torchtitan's recipe): gathers overlap compute.
-            for block in getattr(model, "transformer_blocks", []):
-                fully_shard(block, **kw)
-            fully_shard(model, **kw)
-            self._fsdp_root = model
-            return model
-        # bf16-mixed: make FSDP compute what DDP + autocast computes.
-        # - No input casting (cast_forward_inputs=False): the default casts every float input
-        #   of a unit to param_dtype, the root's timestep (sigma * 1000, bf16 steps of 4 near
-        #   1000) included, before its sinusoidal embedding, which Sana computes in fp32.
-        #   bf16-mixed always runs under autocast (``autocast()``), which casts each op's
-        #   inputs as under DDP. https://docs.pytorch.org/docs/stable/distributed.fsdp.fully_shard.html
-        #   (MixedPrecisionPolicy.cast_forward_inputs)
-        # - bf16 parameters only where autocast would cast them anyway: the attention and
-        #   feed-forward sub-modules (all their compute is Linear/conv/SDPA, on autocast's bf16
-        #   list). The block's own ``scale_shift_table`` and the root's parameters (embeddings,
-        #   caption norm, output modulation) stay fp32 units: with bf16 copies the adaLN
-        #   modulation and the residual stream, elementwise ops autocast leaves alone, would
-        #   drop to bf16 where DDP keeps them fp32 (measured: benchmarks/bf16_numerics.py).
-        #   The fp32 units hold 6*dim values per block plus the root (~2.3% of sana-600m-512).
-        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                    cast_forward_inputs=False)
-        fp32 = MixedPrecisionPolicy(cast_forward_inputs=False)
+        kw = dict(mesh=mesh, reshard_after_forward=self.cfg.fsdp_reshard_after_forward,
+                  mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))
         for block in getattr(model, "transformer_blocks", []):
-            for name in ("attn1", "attn2", "ff"):
-                child = getattr(block, name, None)
-                if child is not None:
-                    fully_shard(child, mp_policy=bf16, **kw)
-            fully_shard(block, mp_policy=fp32, **kw)
-        fully_shard(model, mp_policy=fp32, **kw)
+            fully_shard(block, **kw)
+        # before the root's fully_shard, so it runs before FSDP's post-forward hook
+        model.register_forward_hook(_output_not_a_view)
+        fully_shard(model, **kw)
         self._fsdp_root = model
         return model
+
+    def compile_stats(self) -> dict[str, Any] | None:
+        """dynamo's counts so far (training/compile.py ``compile_stats``), None when
+        ``gpu.compile`` is off (nothing is compiled, so nothing to count)."""
+        if not self.cfg.compile:
+            return None
+        from training.compile import compile_stats
+
+        return compile_stats()
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         model = getattr(model, "_orig_mod", model)  # torch.compile
@@ -303,7 +337,12 @@ class GpuBackend(Backend):
     # ----- the step -----------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.precision == "bf16-mixed":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+            # cache_enabled=False: autocast's cache would keep the bf16 cast of every weight
+            # used in the forward alive until the context exits; under FSDP those are the
+            # gathered blocks, i.e. a bf16 copy of the whole model per rank (3.2 GB for 1.6B)
+            # that resharding cannot free. Each weight is used once per forward, so no cast is
+            # repeated; compiled blocks cast inside their graphs either way.
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
         return contextlib.nullcontext()
 
     @contextlib.contextmanager

@@ -205,12 +205,15 @@ def write_synthetic_features(out_dir: str | Path, *, num_samples: int, latent_sh
                              text_tokens: tuple[int, int] = (1, 16), seed: int = 0,
                              samples_per_shard: int = 64, vae_scaling_factor: float = 0.41407,
                              buckets: Mapping[str, Sequence[int]] | None = None,
-                             bucket_weights: Sequence[float] | None = None) -> dict[str, Any]:
+                             bucket_weights: Sequence[float] | None = None,
+                             text_lengths: Sequence[int] | None = None) -> dict[str, Any]:
     """Random features in the real format (tests, the loader benchmark).
 
     Sample ``i`` has key ``f"{i:08d}"`` and ``latents.flatten()[0] == i`` (exact in bf16
     for i <= 256, so tests can tell which samples a batch holds); ``text_tokens`` is the
-    inclusive (min, max) real token count per sample.
+    inclusive (min, max) real token count per sample, or ``text_lengths`` a list each
+    sample's count is drawn from (seeded; e.g. real captions' lengths,
+    training/data/caption_lengths.py), clipped to ``max_text_tokens``.
 
     ``buckets`` (name -> latent shape) writes bucket mode instead of ``latent_shape``: sample
     ``i`` goes to a bucket drawn from the seeded generator with ``bucket_weights`` (default
@@ -229,7 +232,10 @@ def write_synthetic_features(out_dir: str | Path, *, num_samples: int, latent_sh
     for i in range(num_samples):
         bucket = names[int(torch.multinomial(weights, 1, generator=gen))] if names else None
         shape = buckets[bucket] if bucket is not None else latent_shape
-        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        if text_lengths:
+            n = min(max_text_tokens, int(text_lengths[int(torch.randint(len(text_lengths), (1,), generator=gen))]))
+        else:
+            n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
         latents = torch.randn(*shape, generator=gen, dtype=_DTYPE)  # bf16 directly: the cast is slow here
         latents.view(-1)[0] = float(i)
         writer.add(f"{i:08d}", latents, torch.randn(n, text_dim, generator=gen, dtype=_DTYPE), bucket)
