@@ -74,8 +74,8 @@ def configure_cache(template: str) -> Path | None:
     return cache
 
 
-def compile_blocks(model: nn.Module, *, fullgraph: bool = False) -> int:
-    """Compile each ``model.transformer_blocks[i].forward`` in place (dynamic=False).
+def compile_blocks(model: nn.Module, *, fullgraph: bool = False, backend: str = "inductor") -> int:
+    """Compile each ``model.transformer_blocks[i].forward`` in place (dynamic=False) with ``backend``.
 
     Returns the number of compiled blocks. Every block shares one code object, so the
     per-code-object recompile limit must cover one graph per block x bucket shape when guards
@@ -88,10 +88,12 @@ def compile_blocks(model: nn.Module, *, fullgraph: bool = False) -> int:
 
     for block in blocks:
         # A checkpointed block compiles its checkpoint region with it (torchtitan: AC, then compile).
-        block.forward = torch.compile(checkpointed_forward(model, block), dynamic=False, fullgraph=fullgraph)
+        block.forward = torch.compile(checkpointed_forward(model, block), dynamic=False, fullgraph=fullgraph,
+                                      backend=backend)
     log.info(
-        "torch.compile: %d transformer blocks (dynamic=False, cache %s)",
+        "torch.compile: %d transformer blocks (%s, dynamic=False, cache %s)",
         len(blocks),
+        backend,
         os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch default"),
     )
     return len(blocks)

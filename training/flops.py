@@ -174,12 +174,31 @@ class Accelerator:
     source: str
 
 
-_NVIDIA_H100 = "NVIDIA H100 Tensor Core GPU datasheet (SXM: 989 TFLOP/s BF16 dense = 1,979 with sparsity; TF32 494.7 dense), https://www.nvidia.com/en-us/data-center/h100/"
-_NVIDIA_H200 = "NVIDIA H200 Tensor Core GPU datasheet (SXM: same compute as H100 SXM, 989 BF16 dense), https://www.nvidia.com/en-us/data-center/h200/"
+# NVIDIA peaks, dense (the datasheets' headline figures are "with sparsity", 2x dense, which
+# dense training does not use); TF32 is what fp32 matmuls run at (GpuConfig.tf32 is on):
+# - H100 datasheet (https://www.nvidia.com/en-us/data-center/h100/, "H100 SXM / H100 NVL"):
+#   BF16 1,979* / 1,671* TFLOP/s, TF32 989* / 835*, 80 / 94 GB -> dense 989.4 / 835.5 BF16,
+#   494.7 / 417.5 TF32. H100 PCIe (product brief PB-11133-001, and the datasheet's earlier
+#   "H100 PCIe" column): BF16 1,513*, TF32 756*, 80 GB -> dense 756.5 / 378.
+# - H200 datasheet (https://www.nvidia.com/en-us/data-center/h200/, "H200 SXM / H200 NVL"):
+#   BF16 1,979* / 1,671*, TF32 989* / 835*, 141 GB each -> the H100 SXM / NVL compute with
+#   more and faster HBM.
+# - A100 datasheet (https://www.nvidia.com/en-us/data-center/a100/): BF16 312, TF32 156 dense
+#   (SXM and PCIe alike).
+_NVIDIA_H100 = ("NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: BF16 1,979 TFLOP/s with sparsity = 989.4 "
+                "dense, TF32 494.7 dense, https://www.nvidia.com/en-us/data-center/h100/")
+_NVIDIA_H100_NVL = ("NVIDIA H100 Tensor Core GPU datasheet, H100 NVL: BF16 1,671 TFLOP/s with sparsity = 835.5 "
+                    "dense, TF32 417.5 dense, https://www.nvidia.com/en-us/data-center/h100/")
+_NVIDIA_H100_PCIE = ("NVIDIA H100 PCIe product brief (PB-11133-001) / H100 datasheet, H100 PCIe: BF16 1,513 "
+                     "TFLOP/s with sparsity = 756.5 dense, TF32 378 dense, https://www.nvidia.com/en-us/data-center/h100/")
+_NVIDIA_H200 = ("NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: BF16 1,979 TFLOP/s with sparsity = 989.4 dense "
+                "(H100 SXM compute, 141 GB HBM3e), https://www.nvidia.com/en-us/data-center/h200/")
+_NVIDIA_H200_NVL = ("NVIDIA H200 Tensor Core GPU datasheet, H200 NVL: BF16 1,671 TFLOP/s with sparsity = 835.5 "
+                    "dense, TF32 417.5 dense, https://www.nvidia.com/en-us/data-center/h200/")
 _NVIDIA_A100 = "NVIDIA A100 Tensor Core GPU datasheet (312 TFLOP/s BF16 dense, TF32 156 dense), https://www.nvidia.com/en-us/data-center/a100/"
 # Peak sources (each string below is printed in reports next to the MFU it divides):
-# - H100 / H200 SXM: NVIDIA datasheets; BF16 989.4 TFLOP/s dense (the 1,979 headline is with
-#   2:4 sparsity, which dense training does not use); H200 has H100's compute with more HBM.
+# - H100 / H200: NVIDIA datasheets, above; the variant is told apart by the exact device
+#   name CUDA reports (``accelerator_for_device``), never assumed SXM.
 # - Trainium1: AWS Neuron docs "Trainium Architecture" (about-neuron/arch/neuron-hardware/
 #   trainium.rst, SDK 2.28): each chip = 2 x NeuronCore-v2 delivering 190 FP16/BF16/cFP8/TF32
 #   and 47.5 FP32 TFLOP/s; a trn1.32xlarge has 16 chips, so 95 BF16 TFLOP/s per NeuronCore-v2.
@@ -189,8 +208,14 @@ _TRN2 = "AWS Neuron docs, Trainium2 architecture: per chip 8 x NeuronCore-v3, 66
 ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
     Accelerator(name="H100-SXM", peak_bf16_tflops=989.0, peak_fp32_tflops=494.7, memory_gib=80,
                 source=_NVIDIA_H100),
+    Accelerator(name="H100-NVL", peak_bf16_tflops=835.5, peak_fp32_tflops=417.5, memory_gib=94,
+                source=_NVIDIA_H100_NVL),
+    Accelerator(name="H100-PCIe", peak_bf16_tflops=756.5, peak_fp32_tflops=378.0, memory_gib=80,
+                source=_NVIDIA_H100_PCIE),
     Accelerator(name="H200-SXM", peak_bf16_tflops=989.0, peak_fp32_tflops=494.7, memory_gib=141,
                 source=_NVIDIA_H200),
+    Accelerator(name="H200-NVL", peak_bf16_tflops=835.5, peak_fp32_tflops=417.5, memory_gib=141,
+                source=_NVIDIA_H200_NVL),
     Accelerator(name="A100-SXM", peak_bf16_tflops=312.0, peak_fp32_tflops=156.0, memory_gib=40,
                 source=_NVIDIA_A100),
     Accelerator(name="A100-SXM-80GB", peak_bf16_tflops=312.0, peak_fp32_tflops=156.0, memory_gib=80,
@@ -207,6 +232,33 @@ ACCELERATORS: dict[str, Accelerator] = {a.name: a for a in (
     Accelerator(name="NeuronCore-v3-LNC2", peak_bf16_tflops=667.0 / 4, peak_fp32_tflops=181.0 / 4,
                 memory_gib=24, source=_TRN2 + " (chip / 4 at LNC=2)"),
 )}
+
+#: CUDA device names (``torch.cuda.get_device_name``, = nvidia-smi's product name) -> key above,
+#: first match wins: the NVL / PCIe names contain "H100"/"H200" too, so they come first; the
+#: H100 SXM5 reports its memory ("NVIDIA H100 80GB HBM3"), the H200 SXM just "NVIDIA H200".
+#: A name matching none of these gets no peak (no MFU), never a neighbour's.
+DEVICE_NAMES: tuple[tuple[str, str], ...] = (
+    ("H200 NVL", "H200-NVL"),
+    ("H200", "H200-SXM"),
+    ("H100 NVL", "H100-NVL"),
+    ("H100 PCIe", "H100-PCIe"),
+    ("H100 80GB HBM3", "H100-SXM"),
+    ("H100 SXM", "H100-SXM"),
+)
+
+
+def accelerator_for_device(device_name: str, memory_bytes: int = 0) -> str:
+    """The ``ACCELERATORS`` key for a CUDA device name, else the name itself (no peak)."""
+    import re
+
+    for pattern, key in DEVICE_NAMES:
+        # whole-word start: "GH200" (Grace Hopper) is not an H200
+        if re.search(r"(?<![A-Za-z0-9])" + re.escape(pattern), device_name):
+            return key
+    if "A100" in device_name:  # SXM and PCIe share the peaks; the memory picks the entry
+        return "A100-SXM-80GB" if memory_bytes > 60 * 2**30 else "A100-SXM"
+    return device_name
+
 
 #: Dense bf16 peak TFLOP/s per accelerator name (the MFU denominator for bf16 runs).
 PEAK_TFLOPS: dict[str, float] = {n: a.peak_bf16_tflops for n, a in ACCELERATORS.items()}

@@ -82,6 +82,7 @@ class ReferenceStep:
         vae_scaling_factor: float = 1.0,
         world_size: int = 1,
         compile: bool = False,
+        compile_backend: str = "inductor",
     ) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler, SanaTransformer2DModel
 
@@ -95,7 +96,7 @@ class ReferenceStep:
         self.compiled = bool(compile)
         if compile:
             for block in model.transformer_blocks:
-                block.compile()
+                block.compile(backend=compile_backend)
         self.inner = model
         if world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -278,6 +279,7 @@ def compare(
         vae_scaling_factor=scaling,
         world_size=backend.world_size,
         compile=bool(getattr(cfg.gpu, "compile", False)),  # compile on for both, or off for both
+        compile_backend=getattr(cfg.gpu, "compile_backend", "inductor"),
     )
     stats = getattr(backend, "compile_stats", lambda: None)
     before = (_weights_sample(inner), _weights_sample(reference.inner))

@@ -179,3 +179,65 @@ def test_a_result_written_before_issue_17_still_loads(tmp_path):
     data["reference"] = {"samples_per_s_total": 1.0, "ratio": 99.0}
     with pytest.raises(ValueError, match="reference: ratio disagrees"):
         BenchResult.from_dict(data)
+
+
+@pytest.mark.slow
+def test_compare_reference_compiles_both_sides_and_counts_graphs(tmp_path, capsys):
+    """gpu.compile=true: ours per block (training/compile.py) and the reference per block
+    (diffusers' regional compilation), aot_eager here (inductor takes minutes on this CPU).
+    The JSON records dynamo's counts: graphs compiled, none in the timed window, no break."""
+    import torch
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    out = tmp_path / "cmp.json"
+    bench.main(["--backend", "gpu", "--config", str(REPO / "training/configs/tiny-cpu.yaml"),
+                "--set", "tensorboard=false", "--set", "gpu.compile=true", "--set", "gpu.compile_backend=aot_eager",
+                "--set", "gpu.compile_cache_dir=''",
+                "--set", "precision=bf16-mixed", "--compare-reference", "--steps", "2", "--warmup", "2",
+                "--repetitions", "2", "--synthetic", "--text-tokens", "16", "--caption-lengths", "full",
+                "--work-dir", str(tmp_path / "work"), "--out", str(out)])
+    assert "compare-reference (both compiled):" in capsys.readouterr().out
+    r = BenchResult.load(out)
+    assert r.reference["compiled"] is True and "per-block compile" in r.reference["description"]
+    assert r.compile_count >= 2 and r.compiles_in_timed_steps == 0 and r.graph_breaks == 0, r.graph_break_reasons
+    assert r.caption_lengths == "full (every caption at the padded length)"
+    assert r.text_tokens_real == r.text_tokens_computed == 16 == r.reference["text_tokens_real"]
+
+
+def test_caption_lengths_come_from_the_stored_captions(tmp_path, capsys):
+    """A feature directory's stored caption rows (read from the safetensors headers only), a
+    JSON saved from them, and what synthetic features drawn from them hold."""
+    from training.data import FeatureLoader, write_synthetic_features
+    from training.data import caption_lengths as cl
+
+    real = [3, 3, 7, 12, 40]  # 40 > max_text_tokens: a long caption, stored cut to 20
+    write_synthetic_features(tmp_path / "real", num_samples=24, max_text_tokens=20, text_lengths=real,
+                             samples_per_shard=10)
+    lengths = cl.stored_lengths(tmp_path / "real")
+    assert len(lengths) == 24 and set(lengths) <= {3, 7, 12, 20} and len(set(lengths)) >= 3
+    loader = FeatureLoader(tmp_path / "real", batch_size=24, prefetch=0)
+    masks = next(loader)["text_mask"].sum(dim=1).tolist()
+    loader.close()
+    assert sorted(masks) == sorted(lengths)  # what the headers say is what training reads
+    cl.main([str(tmp_path / "real"), "--out", str(tmp_path / "lengths.json")])
+    assert "24 captions" in capsys.readouterr().out
+    saved = cl.load(str(tmp_path / "lengths.json"))
+    assert list(saved.lengths) == lengths and "stored caption tokens of" in saved.source
+    assert cl.load("full").lengths is None
+    with pytest.raises(cl.UserError, match="--caption-lengths nowhere: neither"):
+        cl.load("nowhere")
+    spec = bench.synthetic_spec(PRESETS["tiny"], 10, saved)
+    assert max(spec["text_lengths"]) == 10 and "text_tokens" not in spec  # clipped to the padded length
+
+
+def test_bench_auto_caption_lengths_use_the_config_features(tmp_path):
+    from training.config import load_config
+    from training.data import write_synthetic_features
+
+    write_synthetic_features(tmp_path / "feats", num_samples=8, max_text_tokens=16, text_lengths=[5])
+    cfg = load_config(["--config", str(REPO / "training/configs/tiny-cpu.yaml"), "--set",
+                       f"data.path={tmp_path / 'feats'}"])
+    assert bench.resolve_caption_lengths("auto", cfg).lengths == (5,) * 8
+    cfg.data.path = str(tmp_path / "absent")
+    assert bench.resolve_caption_lengths("auto", cfg).lengths is None  # full

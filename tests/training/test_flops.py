@@ -106,3 +106,18 @@ def test_batch_flops_split_useful_from_computed_for_a_trimmed_batch():
     padded = flops.train_flops_per_sample(kw, 300, (16, 16))
     assert useful < computed < padded
     assert 0.08 < 1 - computed / padded < 0.15  # trimming 300 -> 128 saves ~11% of a 600M-512 step's FLOPs
+
+
+def test_the_exact_cuda_device_name_picks_the_peak():
+    """PCIe and NVL parts are slower than SXM; an MFU against the wrong peak would read high.
+    Names as CUDA reports them (nvidia-smi's product name)."""
+    cases = {"NVIDIA H100 80GB HBM3": ("H100-SXM", 989.0), "NVIDIA H100 PCIe": ("H100-PCIe", 756.5),
+             "NVIDIA H100 NVL": ("H100-NVL", 835.5), "NVIDIA H200": ("H200-SXM", 989.0),
+             "NVIDIA H200 NVL": ("H200-NVL", 835.5)}
+    for name, (key, peak) in cases.items():
+        assert flops.accelerator_for_device(name) == key, name
+        assert flops.peak_tflops(flops.accelerator_for_device(name), "bf16-mixed") == peak
+    assert flops.accelerator_for_device("NVIDIA A100-SXM4-80GB", 80 * 2**30) == "A100-SXM-80GB"
+    # an unknown part gets no peak (hence no MFU), not a neighbour's
+    assert flops.accelerator_for_device("NVIDIA GH200 480GB") == "NVIDIA GH200 480GB"
+    assert flops.peak_tflops("NVIDIA GH200 480GB", "bf16-mixed") is None

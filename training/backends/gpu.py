@@ -45,6 +45,7 @@ from training.errors import UserError
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 DISTRIBUTED = ("ddp", "fsdp", "hsdp")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 #: the one line a GPU run with ``precision: bf16`` fails with (see the module docstring)
 GPU_BF16_REFUSED = ("precision: 'bf16' (pure bf16 weights and AdamW state) is refused on the GPU backend: "
                     "without stochastic rounding updates below half a bf16 ulp are lost; use "
@@ -67,6 +68,10 @@ class GpuConfig:
     #: torch.compile each transformer block before wrapping (training/compile.py; first step
     #: compiles, later runs load kernels from ``compile_cache_dir``)
     compile: bool = False
+    #: torch.compile backend: "inductor" (generated kernels; what training uses) or
+    #: "aot_eager" (dynamo + AOTAutograd without code generation: the same graphs, breaks and
+    #: recompiles in seconds on a CPU; gpu-check's dry run and tests)
+    compile_backend: str = "inductor"
     #: inductor cache directory (per user; on FSx so every node and restart reuses it);
     #: skipped when the FSx root ($SANA_FSX, else /fsx) does not exist; "" = torch's default
     compile_cache_dir: str = "${SANA_FSX:-/fsx}/cache/inductor/${USER}"
@@ -96,6 +101,8 @@ class GpuConfig:
             raise ValueError("gpu.timeout_minutes: must be > 0")
         if self.memory_check not in ("auto", "on", "off"):
             raise ValueError(f"gpu.memory_check: {self.memory_check!r} is not one of auto, on, off")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"gpu.compile_backend: {self.compile_backend!r} is not one of {', '.join(COMPILE_BACKENDS)}")
         if self.device_prefetch not in ("auto", "on", "off"):
             raise ValueError(f"gpu.device_prefetch: {self.device_prefetch!r} is not one of auto, on, off")
 
@@ -167,15 +174,10 @@ def _output_not_a_view(module: nn.Module, args: tuple, output: Any) -> Any:
 
 def accelerator_key(device_name: str, memory_bytes: int) -> str:
     """torch's device name -> the training.flops accelerator key (its MFU peak), else the name.
+    The table of names and peaks is training/flops.py's (``DEVICE_NAMES``, ``ACCELERATORS``)."""
+    from training.flops import accelerator_for_device
 
-    NOTE: the PCIe/NVL variants have lower peaks than SXM; HyperPod's p4d/p5/p5e/p5en are SXM.
-    """
-    for family, key in (("H200", "H200-SXM"), ("H100", "H100-SXM")):
-        if family in device_name:
-            return key
-    if "A100" in device_name:
-        return "A100-SXM-80GB" if memory_bytes > 60 * 2**30 else "A100-SXM"
-    return device_name
+    return accelerator_for_device(device_name, memory_bytes)
 
 
 class GpuBackend(Backend):
@@ -239,7 +241,7 @@ class GpuBackend(Backend):
             from training.compile import compile_blocks, configure_cache
 
             configure_cache(self.cfg.compile_cache_dir)
-            compile_blocks(model)
+            compile_blocks(model, backend=self.cfg.compile_backend)
         if self.cfg.distributed in ("fsdp", "hsdp"):
             model = self._fully_shard(model)
         elif self.world_size > 1:

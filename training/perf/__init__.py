@@ -1,0 +1,1 @@
+"""Performance checks that judge measured results against the project's targets."""
