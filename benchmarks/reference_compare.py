@@ -61,14 +61,14 @@ def main() -> None:
     print(f"\nsana-600m-512 widths, {args.layers} blocks, {args.latent}x{args.latent} latents, batch {args.batch}, "
           f"{args.precision}, CPU, torch {first['versions']['torch']}; captions: {first['caption_lengths']}; "
           f"{args.reps} interleaved repetitions x {args.steps} steps per side after {args.warmup} warm-up")
-    print(f"{'mode':<14} {'ours s/step':>11} {'ref s/step':>10} {'median':>7}  per-repetition ours/ref   "
+    print(f"{'mode':<14} {'ours s/step':>11} {'ref s/step':>10} {'median':>7}  per-repetition ours/ref             "
           f"real tokens ours/ref  computed ours/ref")
     for mode, r in results.items():
         ref = r["reference"]
         steps = ref["repetitions"] * ref["steps_per_repetition"]
         print(f"{'both ' + mode:<14} {sum(ref['seconds_ours']) / steps:>11.3f} "
               f"{sum(ref['seconds_reference']) / steps:>10.3f} {ref['ratio_median']:>6.3f}x  "
-              f"{', '.join(f'{x:.3f}' for x in ref['ratios']):<24} "
+              f"{', '.join(f'{x:.3f}' for x in ref['ratios']):<34} "
               f"{r['text_tokens_real']:>6.1f} / {ref['text_tokens_real']:<6.1f}      "
               f"{r['text_tokens_computed']:.1f} / {ref['text_tokens_computed']:.1f}")
         if r.get("compile_count") is not None:
