@@ -244,11 +244,12 @@ def check_trainium_config(cfg: Any, *, world_size: int, instance_type: str | Non
 #
 #   weights     4P / S, plus under FSDP/HSDP the unsharded copies of the units being gathered:
 #               two blocks at a time (the current one and the prefetched next, FSDP2's default
-#               forward/backward prefetch of one unit) in the compute dtype, and the root's
-#               own parameters
-#   gradients   DDP: 4P twice - ``param.grad`` and DDP's all-reduce buckets are separate
-#               copies unless ``gradient_as_bucket_view=True`` (torch DistributedDataParallel
-#               docs: "the saved memory size will be equal to the total gradients size");
+#               forward/backward prefetch of one unit) in fp32 (every unit gathers fp32,
+#               training/backends/gpu.py ``_fully_shard``), and the root's own parameters
+#   gradients   DDP: 4P once - ``param.grad`` is a view into DDP's all-reduce buckets
+#               (``gradient_as_bucket_view=True``; without it the buckets are a second copy,
+#               torch DistributedDataParallel docs: "the saved memory size will be equal to
+#               the total gradients size");
 #               FSDP/HSDP: 4P / S reduce-scattered shards plus two blocks' unsharded grads
 #   optimizer   AdamW: exp_avg + exp_avg_sq in fp32, 8P / S (CAME: ~4P / S: the first
 #               moment in full, the second factored into rows/columns, training/came.py)
@@ -454,15 +455,15 @@ def estimate_gpu(cfg: Any, *, world_size: int, mesh: str | None = None, ac: str 
     # ``_fully_shard``: autocast casts per op, as under DDP)
     gathered = (_GATHERED_BLOCKS * block * 4 + root * 4) if shard > 1 else 0
     weights = params * 4 // shard + gathered
-    if mesh == "ddp":  # one process has no DDP wrapper, hence no bucket copy
-        grads = params * 4 * (2 if n > 1 else 1)
+    if mesh == "ddp":  # the buckets are the gradients (gradient_as_bucket_view)
+        grads = params * 4
     else:
         grads = params * 4 // shard + _GATHERED_BLOCKS * block * 4
     per_param = 4 if getattr(cfg.optim, "name", "adamw") == "came" else 8
     # LoRA (training/lora.py): gradients, optimizer state and EMA exist for the adapters only
     trainable = _trainable_parameters(cfg) if getattr(getattr(cfg, "lora", None), "enabled", False) else params
     if trainable != params:
-        grads = trainable * 4 * (2 if mesh == "ddp" and n > 1 else 1) // (1 if mesh == "ddp" else shard)
+        grads = trainable * 4 // (1 if mesh == "ddp" else shard)
     act = gpu_activations(kw, text_tokens=text_tokens, precision=cfg.precision)
     k = len(checkpointed_blocks(layers, mode, every_n))
     b = int(cfg.data.batch_size)
