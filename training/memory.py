@@ -455,10 +455,8 @@ def estimate_gpu(cfg: Any, *, world_size: int, mesh: str | None = None, ac: str 
     # ``_fully_shard``: autocast casts per op, as under DDP)
     gathered = (_GATHERED_BLOCKS * block * 4 + root * 4) if shard > 1 else 0
     weights = params * 4 // shard + gathered
-    if mesh == "ddp":  # the buckets are the gradients (gradient_as_bucket_view)
-        grads = params * 4
-    else:
-        grads = params * 4 // shard + _GATHERED_BLOCKS * block * 4
+    # DDP: the buckets are the gradients (gradient_as_bucket_view); FSDP: shards + gathered units
+    grads = params * 4 if mesh == "ddp" else params * 4 // shard + _GATHERED_BLOCKS * block * 4
     per_param = 4 if getattr(cfg.optim, "name", "adamw") == "came" else 8
     # LoRA (training/lora.py): gradients, optimizer state and EMA exist for the adapters only
     trainable = _trainable_parameters(cfg) if getattr(getattr(cfg, "lora", None), "enabled", False) else params

@@ -88,7 +88,7 @@ def test_checkpointed_blocks_compile_with_their_checkpoint(
         ModelConfig(preset="tiny", overrides={"num_layers": 2}, activation_checkpointing=mode)
     )
     real = torch.compile
-    monkeypatch.setattr(compile_mod.torch, "compile", lambda fn, **kw: real(fn, backend="aot_eager", **kw))
+    monkeypatch.setattr(compile_mod.torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
     compile_blocks(model)
     assert model._checkpoint_inside == {id(b) for b in model.transformer_blocks}
     _, got = _loss_and_grads(model, autocast=False)
@@ -159,7 +159,7 @@ def test_compiled_blocks_under_fsdp2_match_eager_and_do_not_recompile(
     import training.compile as compile_mod
 
     real = torch.compile
-    monkeypatch.setattr(compile_mod.torch, "compile", lambda fn, **kw: real(fn, backend="aot_eager", **kw))
+    monkeypatch.setattr(compile_mod.torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
     losses: dict[bool, list[float]] = {}
     graphs: list[int] = []
     for compile_ in (False, True):
