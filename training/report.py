@@ -112,6 +112,7 @@ class Options:
     assumptions: projection.Assumptions | None = None  # None: the defaults
     question: projection.Question | None = None  # None: the defaults + this target
     decision: assemble.DecisionOptions = dataclasses.field(default_factory=assemble.DecisionOptions)
+    serving: tuple[str, ...] = ()  # --serving: serving bench JSONs (training/serve/bench.py)
 
 
 def check_comparable(runs: Sequence[Run], allow: bool) -> list[str]:
@@ -538,6 +539,7 @@ def build(result_paths: Sequence[str | Path], out: str | Path, *, prices_path: s
     lines = projection.section(runs, proj_prices.prices, assumptions, question, out, px=CHART_PX, dpi=_DPI)
     if note:
         lines[1:1] = ["", note]
+    lines += serving_lines(opts.serving, (PriceTable.load(DEFAULT_PRICES), proj_prices, prices))
     extra = assemble.sections(opts.decision, table=prices, proj_table=proj_prices, notes=notes,
                               run_types={r.result.instance_type for r in runs}, runs=runs, a=assumptions, q=question,
                               out=out, px=CHART_PX, dpi=_DPI)
@@ -549,6 +551,19 @@ def build(result_paths: Sequence[str | Path], out: str | Path, *, prices_path: s
     verdict = projection.verdict(runs, proj_prices.prices, assumptions, question)
     report.write_text(render(runs, prices, opts, charts, warnings, lines, verdict, extra))
     return report
+
+
+def serving_lines(results: Sequence[str], tables: Sequence[PriceTable]) -> list[str]:
+    """The "Serving" section (training/serve/cost.py): projected cost per 1,000 images on inf2 vs
+    GPU, plus the measured serving benches given with --serving. Prices: the later tables win
+    (the shipped table, then the projection's, then the report's own)."""
+    from training.serve.bench import ServeBenchResult
+    from training.serve.cost import section
+
+    prices: dict[str, Price] = {}
+    for table in tables:
+        prices.update(table.prices)
+    return ["", *section([ServeBenchResult.load(p) for p in results], prices)]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -564,6 +579,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fsx-storage-gib", type=float, help="FSx storage, GiB (with --fsx-throughput-per-tib)")
     p.add_argument("--fsx-throughput-per-tib", type=float, help="FSx MB/s per TiB (125/250/500/1000)")
     p.add_argument("--cdk-json", default=str(REPO / "cdk.json"), help="where to read FSx defaults from")
+    p.add_argument("--serving", action="append", default=[], metavar="SERVE_BENCH.json",
+                   help="serving bench result (python -m training.serve.bench); repeat for each endpoint")
     g = p.add_argument_group("projection (every report has it; --project alone needs no result files)")
     g.add_argument("--project", action="store_true", help="write the projection even without result files")
     g.add_argument("--preset", action="append", help=f"preset to project (repeat; default {', '.join(projection.DEFAULT_PRESETS)})")
@@ -626,7 +643,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     assumptions, question = projection_inputs(args)
     opts = Options(dataset_samples=args.dataset_samples, epochs=args.epochs, allow_mismatch=args.allow_mismatch,
                    project_only=args.project, assumptions=assumptions, question=question,
-                   decision=assemble.options(args))
+                   decision=assemble.options(args), serving=tuple(args.serving))
     if args.features_index:
         opts.bytes_per_sample = bytes_per_sample_from_index(args.features_index)
         opts.features_index = args.features_index

@@ -54,6 +54,7 @@ from training.serve.components import (
 )
 from training.serve.export import recorded_sha256, sha256_file
 from training.serve.manifest import MANIFEST_FILE, MANIFEST_FORMAT, NEURON_TARGETS, TARGETS
+from training.serve.runtime import quiet_loading
 from training.serve.spec import ServingSpec, Size, parse_sizes
 
 #: |traced - eager| / max(1, |eager|max) allowed per graph, by compute dtype. fp32: the graphs
@@ -160,6 +161,18 @@ def graph_inputs(pipe: Any, spec: ServingSpec, sizes: Sequence[Size], dtype: tor
     return out
 
 
+def check_graph(traced: Any, graph: torch.nn.Module, inputs: tuple[torch.Tensor, ...], *, tolerance: float,
+                what: str) -> float:
+    """The traced graph's relative error against eager on ``inputs`` (an input it was NOT traced
+    with); UserError when it exceeds ``tolerance``: a value was baked into the trace, or the
+    compiler changed the numerics. Returns the error."""
+    error = _error(traced(*inputs), graph(*inputs))
+    if not error <= tolerance:
+        raise UserError(f"compiled {what} differs from eager by {error:.3g} (relative; tolerance {tolerance:g}) on "
+                        "an input it was not traced with; the graph does not generalise, nothing was written")
+    return error
+
+
 def _describe(inputs: tuple[torch.Tensor, ...], names: Sequence[str]) -> list[dict[str, Any]]:
     return [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
             for n, t in zip(names, inputs, strict=True)]
@@ -190,13 +203,14 @@ def compile_export(export: Path, out: Path, *, target: str, sizes: Sequence[Size
     source = recorded_sha256(export)
     dtype = dtype or ("fp32" if target == "cpu" else spec.dtype)
     sizes = tuple(sizes or spec.sizes)
-    pipe = SanaPipeline.from_pretrained(export, torch_dtype=DTYPES[dtype])
+    trace = tracer(spec_, Path(workdir or out.with_name(f".{out.name}.neuron-workdir")))  # fails fast
+    quiet_loading()
+    pipe = SanaPipeline.from_pretrained(export, dtype=DTYPES[dtype])
     pipe.set_progress_bar_config(disable=True)
     scale = pipe.vae_scale_factor
     for size in sizes:
         if size.height % scale or size.width % scale:
             raise UserError(f"--shapes {size}: not a multiple of the VAE's {scale}x compression")
-    trace = tracer(spec_, Path(workdir or out.with_name(f".{out.name}.neuron-workdir")))
     tmp = out.with_name(f".{out.name}.tmp-compile")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -212,13 +226,12 @@ def compile_export(export: Path, out: Path, *, target: str, sizes: Sequence[Size
             started = time.perf_counter()
             traced = trace(graph, examples[0], f"{component}-{key}")
             seconds = time.perf_counter() - started
-            error = _error(traced(*examples[1]), graph(*examples[1]))
             tolerance = TOLERANCE[dtype]
-            if not error <= tolerance:
+            try:
+                error = check_graph(traced, graph, examples[1], tolerance=tolerance, what=f"{component} {key}")
+            except UserError:
                 shutil.rmtree(tmp, ignore_errors=True)
-                raise UserError(f"compiled {component} {key} differs from eager by {error:.3g} (relative; tolerance "
-                                f"{tolerance:g}) on an input it was not traced with; the graph is wrong for "
-                                f"--target {target}, nothing was written")
+                raise
             file = f"{component}-{key}.pt"
             torch.jit.save(traced, str(tmp / file))
             graphs.append({"component": component, "file": file, "key": key,

@@ -84,9 +84,19 @@ def _read_spec(export: Path) -> ServingSpec:
                              f"{str(exc).splitlines()[0] if str(exc) else ''}); re-package the model") from None
 
 
+def quiet_loading() -> None:
+    """No tqdm bars from diffusers/transformers while loading (they would fill logs and stderr)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
 def load(model_dir: Path, *, backend: str | None = None) -> Served:
     """The model in ``model_dir`` as a ready pipeline (see the module docstring)."""
     started = time.perf_counter()
+    quiet_loading()
     backend = backend or os.environ.get(BACKEND_ENV, "auto")
     if backend not in BACKENDS:
         raise ModelLoadError(f"{BACKEND_ENV}={backend!r}: choose {', '.join(BACKENDS)}")
@@ -132,7 +142,7 @@ def _load_diffusers(export: Path, spec: ServingSpec) -> tuple[Any, str]:
                                  "only configs); package without --compiled for a GPU instance")
     cuda = torch.cuda.is_available()
     dtype = DTYPES[spec.dtype] if cuda else torch.float32
-    pipe = SanaPipeline.from_pretrained(export, torch_dtype=dtype)
+    pipe = SanaPipeline.from_pretrained(export, dtype=dtype)
     return pipe.to("cuda" if cuda else "cpu"), "diffusers-cuda" if cuda else "diffusers-cpu"
 
 

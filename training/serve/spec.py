@@ -196,6 +196,9 @@ def _text(body: Mapping[str, Any], name: str, limit: int, *, required: bool) -> 
     value = body.get(name, None if required else "")
     if value is None and not required:
         value = ""
+    if value is None:
+        raise RequestError(f"field {name}: missing; give the text to draw, e.g. "
+                           '{"prompt": "a red fox in the snow"}')
     if not isinstance(value, str):
         raise _field_error(name, value, "must be a string")
     if required and not value.strip():
