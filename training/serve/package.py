@@ -145,10 +145,11 @@ def upload(archive: Path, prefix: str, sha256: str) -> str:
 
     if not s3.is_s3_url(prefix):
         raise UserError(f"--upload {prefix}: give an s3:// prefix, e.g. s3://<artefacts bucket>/serving/")
-    url = f"{prefix.rstrip('/')}/model-{sha256[:12]}.tar.gz"
+    name = f"model-{sha256[:12]}.tar.gz"
+    url = f"{prefix.rstrip('/')}/{name}"
     client = s3.client()
-    if url.split("/", 3)[3] in s3.list_keys(url, s3=client):
-        return url  # the same bytes are already there
+    if name in s3.list_keys(prefix, s3=client):
+        return url  # these bytes are already there (the name is their hash): nothing to put
     s3.upload_file(archive, url, s3=client)
     return url
 
