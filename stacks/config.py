@@ -236,6 +236,21 @@ class PlatformConfig:
     """IAM role/user ARNs besides the cluster nodes that may encrypt and decrypt with the platform key."""
     logRetentionDays: int = 731
     """Retention of every log group the platform creates or adopts (a CloudWatch Logs retention value)."""
+    # ---- the optional <project>-serving stack (stacks/serving.py, runbooks/serving.md) ----
+    serving: bool = False
+    """Deploy the SageMaker endpoint stack for a packaged model (needs servingModelDataUrl)."""
+    servingInstanceType: str = "ml.inf2.xlarge"
+    """Endpoint instance type: Inferentia2 (compiled graphs) or ml.g6.* (the GPU alternative)."""
+    servingModelDataUrl: str = ""
+    """s3://.../model-<sha>.tar.gz from python -m training.serve.package --upload."""
+    servingImage: str = ""
+    """Container image; empty = the PyTorch (Neuron) inference DLC for the instance type and region."""
+    servingMaxInstances: int = 2
+    """Upper bound of Application Auto Scaling (the endpoint starts with one instance)."""
+    servingInvocationsPerInstance: int = 10
+    """Auto-scaling target: invocations per instance per minute (SageMakerVariantInvocationsPerInstance)."""
+    servingDataCapture: bool = False
+    """Capture requests and responses to the artefacts bucket (KMS-encrypted). Off: prompts may hold PHI."""
 
     def __post_init__(self) -> None:
         if not PROJECT_NAME_RE.match(self.projectName):
@@ -289,6 +304,9 @@ class PlatformConfig:
                 if not IAM_PRINCIPAL_ARN_RE.match(arn):
                     raise ConfigError(key, arn, "allowed: IAM role or user ARNs, e.g. "
                                                 "arn:aws:iam::123456789012:role/platform-admin")
+        from stacks.serving_config import check_serving  # (imports ConfigError from here)
+
+        check_serving(self)
         if self.slurmAccounting and not self.continuousProvisioning:
             # AWS::SageMaker::Cluster schema, ClusterAccountingDatabase: "Supported only with
             # Continuous node provisioning."

@@ -17,6 +17,7 @@ from cdk_nag import AwsSolutionsChecks, HIPAASecurityChecks
 from stacks.cluster import ClusterStack
 from stacks.config import ConfigError, PlatformConfig, check_known_keys
 from stacks.network import NetworkStack
+from stacks.serving import ServingStack
 from stacks.storage import StorageStack
 
 __all__ = ["ConfigError", "Platform", "PlatformConfig", "build_app", "cdk_json_context"]
@@ -36,6 +37,7 @@ class Platform:
     network: NetworkStack
     storage: StorageStack
     cluster: ClusterStack
+    serving: ServingStack | None = None
 
 
 def build_app(context: Mapping[str, Any] | None = None, *, outdir: str | None = None) -> Platform:
@@ -68,7 +70,12 @@ def build_app(context: Mapping[str, Any] | None = None, *, outdir: str | None = 
                            description=f"{p}: HyperPod Slurm cluster, execution role, lifecycle scripts")
     # The cluster names storage's buckets by their deterministic names; keep the order explicit.
     cluster.add_stack_dependency(storage)
+    serving = None
+    if config.serving:  # optional: the SageMaker endpoint for a packaged model (runbooks/serving.md)
+        serving = ServingStack(app, f"{p}-serving", stack_name=f"{p}-serving", env=env, config=config,
+                               network=network.network, storage=storage,
+                               description=f"{p}: SageMaker endpoint serving the trained Sana model")
     cdk.Tags.of(app).add("project", p)
     cdk.Tags.of(app).add("managed-by", "cdk")
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app), HIPAASecurityChecks(app))
-    return Platform(app=app, config=config, network=network, storage=storage, cluster=cluster)
+    return Platform(app=app, config=config, network=network, storage=storage, cluster=cluster, serving=serving)

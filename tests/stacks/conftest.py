@@ -13,6 +13,12 @@ variants are chosen to cover every shape the issue names with three apps:
 - ``accounting``: slurmAccounting on (Aurora MySQL + Secrets Manager + the DB subnets and
   security group), with two users, a custom group, named key administrators and users, and
   another log retention.
+
+The optional ``<project>-serving`` stack rides on two of them instead of costing a synth of its
+own: ``trn_only`` adds ``serving=true`` with the defaults (ml.inf2.xlarge, the Neuron DLC of the
+pinned region, the volume on the platform key), ``accounting`` adds the GPU alternative
+(ml.g6.xlarge: NVMe instance storage, so no KmsKeyId) with data capture on, region-agnostic
+(the DLC image from the per-region mapping).
 """
 
 from __future__ import annotations
@@ -37,11 +43,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
                  "gpuInstanceCount": "4", "deepHealthChecks": "false"},
     "trn_only": {"gpuInstanceCount": 0, "trnInstanceType": "ml.trn2.48xlarge", "trnInstanceCount": 2,
                  "region": "us-east-2", "availabilityZoneId": "use2-az3", "continuousProvisioning": False,
-                 "cloudTrail": False},
+                 "cloudTrail": False, "serving": True,
+                 "servingModelDataUrl": "s3://sana-artefacts-123456789012-us-east-2/serving/model-0123456789ab.tar.gz"},
     "accounting": {"slurmAccounting": "true", "clusterUsers": "ana:2001,ben:2002", "clusterGroup": "lab:3000",
                    "keyAdministrators": ["arn:aws:iam::123456789012:role/platform-admin"],
                    "keyUsers": "arn:aws:iam::123456789012:role/data-engineer,arn:aws:iam::123456789012:user/ana",
-                   "logRetentionDays": 365},
+                   "logRetentionDays": 365,
+                   "serving": "true", "servingInstanceType": "ml.g6.xlarge", "servingDataCapture": "true",
+                   "servingMaxInstances": "4",
+                   "servingModelDataUrl": "s3://sana-artefacts-123456789012-us-east-1/serving/model-ba9876543210.tar.gz"},
 }
 CLI_VARIANTS = {"gpu_only"}
 
@@ -142,6 +152,9 @@ def _synth(name: str, outdir: Path) -> Synth:
     project = context.get("projectName", "sana")
     for stack in STACKS:
         synth.templates[stack] = json.loads((outdir / f"{project}-{stack.lower()}.template.json").read_text())
+    serving = outdir / f"{project}-serving.template.json"
+    if serving.exists():  # only with serving=true (stacks/serving.py)
+        synth.templates["Serving"] = json.loads(serving.read_text())
     return synth
 
 

@@ -20,11 +20,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("variant", ["default", "gpu_only", "trn_only", "accounting"])
 def test_audit_passes_with_zero_open_findings(synthesized, variant):
-    result = audit(synthesized(variant).outdir)
+    synth = synthesized(variant)
+    result = audit(synth.outdir)
     assert result.ok, render(result)
     assert not result.nag_open and not result.stale_acknowledgements and not result.lint_failures
     assert {f.pack for f in result.nag_acknowledged} == set(PACKS)
-    assert set(result.lint_regions) == {"sana-network", "sana-storage", "sana-cluster"}
+    stacks = {"sana-network", "sana-storage", "sana-cluster"} | ({"sana-serving"} if "Serving" in synth.templates else set())
+    assert set(result.lint_regions) == stacks
     if variant == "trn_only":
         assert set(result.lint_regions.values()) == {"us-east-2"}
 
