@@ -11,7 +11,7 @@ XLA_PY   := $(XLA_VENV)/bin/python
 STAMPS   := .stamps
 CDK      := npx --no-install cdk
 
-.PHONY: help setup setup-xla synth audit demo test test-platform test-xla lint clean image push-image
+.PHONY: help setup setup-xla synth audit demo test test-platform test-xla lint clean image push-image serve-smoke
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -66,6 +66,12 @@ test-xla: setup setup-xla
 lint: setup ## ruff + shellcheck
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/shellcheck lifecycle_scripts/*.sh training/slurm/*.sh training/slurm/*.sbatch scripts/*.sh .ci/run
+
+# On an inf2/trn host, in the Neuron env (PY=<that env's python>): compile a tiny Sana with
+# torch-neuronx, serve it through the SageMaker handler, compare with CPU, time it
+# (runbooks/serving.md). Elsewhere it stops in one line; --target cpu runs the same steps.
+serve-smoke: ## on an inf2/trn host: compile a tiny Sana for Neuron, serve and time it (PY=neuron env python)
+	$(PY) -m training.serve.smoke
 
 # Training images (runbooks/containers.md). IMAGE=gpu|neuron; BASE=<image> overrides the
 # Dockerfile's base; EFA=0 skips the GPU image's EFA stage; the builder is detected (docker with

@@ -8,7 +8,9 @@ tokenizer (Sana's complex human instruction, plus the validation prompts) -> tra
 ``.venv-xla`` exists) -> export a diffusers directory -> sample one image with ``SanaPipeline``
 under the recorded text conditioning -> bench both backends and write the comparison report
 (prices from the AWS Price List API when it answers, else the shipped table; the two training
-runs' loss curves and grids side by side) -> print where everything went.
+runs' loss curves and grids side by side) -> serve the export on loopback (the SageMaker
+handler behind /ping and /invocations) and save one image fetched through it -> print where
+everything went.
 
 The run is a list of steps (``STEPS``); each takes the shared ``Demo`` and records what it
 made in ``demo.where``. To extend the demo (bench, report), append a step.
@@ -211,10 +213,20 @@ def compare(demo: Demo) -> None:
           flush=True)
 
 
+def serve(demo: Demo) -> None:
+    """Serve the export: serving export + CPU graphs -> the SageMaker handler on loopback ->
+    one image fetched through POST /invocations; a serving bench and the report's Serving section."""
+    from training.serve.demo import serve_demo
+
+    demo.where.update(serve_demo(demo.path("serve"), transformer=demo.path("export") / "transformer",
+                                 models=demo.path("models"), prompt=VALIDATION_PROMPTS[0]))
+    print(f"    served image (via /invocations): {demo.where['served image (via POST /invocations)']}", flush=True)
+
+
 #: The demo, in order. Append steps here (e.g. bench, report).
 STEPS: list[Callable[[Demo], None]] = [
     make_raw_data, make_tiny_models, precompute, train_first_part, train_resumed, train_trainium, export, sample,
-    compare,
+    compare, serve,
 ]
 
 

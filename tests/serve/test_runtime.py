@@ -10,12 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from serve_helpers import request_body
 
 from training.serve import handler, runtime
 from training.serve.errors import ModelLoadError, RequestError
 from training.serve.spec import Size
-
-from serve_helpers import request_body
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,15 @@ import pytest
 
 from training.errors import UserError
 from training.serve.errors import RequestError
-from training.serve.spec import Limits, ServingSpec, Size, decode_body, parse_size, parse_sizes, validate_request
+from training.serve.spec import (
+    Limits,
+    ServingSpec,
+    Size,
+    decode_body,
+    parse_size,
+    parse_sizes,
+    validate_request,
+)
 
 SPEC = ServingSpec(sizes=(Size(1024, 1024), Size(768, 1024)), complex_human_instruction=("chi",),
                    max_sequence_length=300, limits=Limits(max_steps=50))

@@ -137,7 +137,7 @@ def test_neuron_dlc_runs_the_sdk_the_trainium_env_compiles_with():
     # graphs compiled in the trn env (training/requirements-neuron.txt) must load in the DLC's runtime
     release = re.search(r"Neuron SDK release: (\d+\.\d+\.\d+)",
                         (REPO / "training" / "requirements-neuron.txt").read_text()).group(1)
-    assert NEURON_DLC_SDK == release and f"-sdk{release}-" in DLC_IMAGES["neuron"][1]
+    assert release == NEURON_DLC_SDK and f"-sdk{release}-" in DLC_IMAGES["neuron"][1]
 
 
 URL = "s3://sana-artefacts-123456789012-us-east-1/serving/model-0123456789ab.tar.gz"
