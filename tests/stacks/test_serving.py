@@ -96,7 +96,7 @@ def test_model_role_reads_only_the_model_object_and_pulls_only_its_image(trn_onl
     policy = one(trn_only, "AWS::IAM::ManagedPolicy")
     statements = {s["Sid"]: s for s in policy["PolicyDocument"]["Statement"]}
     read = json.dumps(statements["ReadModelData"]["Resource"])
-    assert read.endswith(':s3:::sana-artefacts-123456789012-us-east-2/serving/model-0123456789ab.tar.gz"]}')
+    assert read.endswith(':s3:::sana-artefacts-123456789012-us-east-2/serving/model-0123456789ab.tar.gz"]]}')
     assert statements["ReadModelData"]["Action"] == "s3:GetObject"
     pull = json.dumps(statements["PullInferenceImage"]["Resource"])
     assert pull.endswith(':ecr:us-east-2:763104351884:repository/pytorch-inference-neuronx"]]}')

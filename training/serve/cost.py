@@ -45,7 +45,7 @@ class ServingInstance:
 
 
 SERVING_INSTANCES: dict[str, ServingInstance] = {s.instance_type: s for s in (
-    ServingInstance(instance_type="ml.inf2.xlarge", accelerator="Inferentia2 (2 x NeuronCore-v2)",
+    ServingInstance(instance_type="ml.inf2.xlarge", accelerator="Inferentia2, 2 NeuronCore-v2",
                     peak_bf16_tflops=190.0, memory_gib=32,
                     source="AWS Neuron docs, Inferentia2 architecture (about-neuron/arch/neuron-hardware/"
                            "inferentia2.rst): per chip 190 FP16/BF16 TFLOPS, 32 GiB HBM"),
