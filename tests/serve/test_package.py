@@ -81,6 +81,7 @@ def _toolkit(model_dir: Path, cases: list[dict]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_archive_serves_under_the_sagemaker_inference_toolkit(archive, tmp_path: Path):
     from PIL import Image
 

@@ -10,6 +10,7 @@ import pytest
 from training.serve.smoke import detect_target, main
 
 
+@pytest.mark.slow
 def test_smoke_passes_every_step_on_cpu(capsys):
     results = main(["--target", "cpu", "--requests", "1", "--steps", "2"])
     out, err = capsys.readouterr()

@@ -54,3 +54,10 @@ def test_demo_runs_every_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         trn_steps = [json.loads(line)["step"] for line in (demo.out / "run-trn" / "metrics.jsonl").read_text().splitlines()]
         assert trn_steps[-1] == 12
         assert "## Quality parity" in md and "| ![](parity-grid-1-step-00000012.png) |" in md
+    # ...and the demo ends by serving that export: one image fetched through POST /invocations
+    from PIL import Image
+
+    served = demo.where["served image (via POST /invocations)"]
+    assert served == demo.out / "serve" / "served.png" and Image.open(served).size == (64, 64)
+    assert "## Serving" in (demo.out / "serve" / "report" / "report.md").read_text()
+    assert "served image (via /invocations): " in out
