@@ -43,6 +43,8 @@ def test_archive_layout_and_pins(archive):
     # --compiled: the three compiled components travel as graphs, not weights
     assert not [n for n in names if n.startswith("export/") and n.endswith(".safetensors")]
     assert not [n for n in names if "tests" in n or "__pycache__" in n]
+    # the runtime only: the build side (compile, package, bench, smoke, demo) stays out
+    assert not {f"code/training/serve/{m}.py" for m in ("compile", "package", "bench", "smoke", "demo")} & set(names)
     assert all(m.mtime == 0 and m.uid == 0 and m.mode == 0o644 for m in members.values())
     pins = {line.split("==")[0]: line.split("==")[1] for line in requirements.splitlines() if "==" in line}
     gpu = {line.split("==")[0]: line.split("==")[1].strip() for line in

@@ -10,7 +10,7 @@ PyTorch/Neuron inference DLCs then import ``code/inference.py`` and pip-install
     code/inference.py          re-exports model_fn/input_fn/predict_fn/output_fn
     code/requirements.txt      diffusers, transformers, ... pinned as training/requirements-gpu.txt
                                (no torch: the DLC's torch, or torch-neuronx's, is kept)
-    code/training/...          training/serve/ and the two shared modules it imports
+    code/training/...          the handler's modules of training/serve/ and the two shared ones
     export/                    the serving export; with --compiled, without the weights of the
                                three compiled components (their graphs replace them)
     compiled/                  the graphs + manifest.json (--compiled)
@@ -38,9 +38,11 @@ from training.serve.manifest import MANIFEST_FILE, CompiledManifest
 from training.serve.runtime import WEIGHT_SUFFIXES
 
 REPO = Path(__file__).resolve().parents[2]
-#: what code/ carries: the serving subpackage and the two modules it imports
-CODE_MODULES = ("training/__init__.py", "training/errors.py", "training/text_features.py")
-CODE_PACKAGE = "training/serve"
+#: what code/ carries: the modules the handler (and the local server) import, and nothing of
+#: the build side (compile, package, bench, the report section, the smoke check, the demo)
+CODE_MODULES = ("training/__init__.py", "training/errors.py", "training/text_features.py",
+                *(f"training/serve/{name}.py" for name in (
+                    "__init__", "errors", "spec", "components", "manifest", "export", "runtime", "handler", "server")))
 #: serving's runtime packages; versions are read from training/requirements-gpu.txt (one pin each)
 SERVE_PACKAGES = ("diffusers", "transformers", "tokenizers", "safetensors", "accelerate")
 PIN_SOURCE = REPO / "training" / "requirements-gpu.txt"
@@ -77,8 +79,6 @@ def _members(export: Path, compiled: Path | None) -> Iterator[tuple[str, Path | 
     yield "code/requirements.txt", serve_requirements().encode()
     for rel in CODE_MODULES:
         yield f"code/{rel}", REPO / rel
-    for path in sorted((REPO / CODE_PACKAGE).glob("*.py")):
-        yield f"code/{CODE_PACKAGE}/{path.name}", path
     for path in sorted(p for p in export.rglob("*") if p.is_file()):
         rel = path.relative_to(export)
         if compiled is not None and rel.parts[0] in COMPILED_COMPONENTS and path.suffix in WEIGHT_SUFFIXES:
