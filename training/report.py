@@ -539,7 +539,7 @@ def build(result_paths: Sequence[str | Path], out: str | Path, *, prices_path: s
     lines = projection.section(runs, proj_prices.prices, assumptions, question, out, px=CHART_PX, dpi=_DPI)
     if note:
         lines[1:1] = ["", note]
-    lines += serving_lines(opts.serving, (PriceTable.load(DEFAULT_PRICES), proj_prices, prices))
+    lines += serving_lines(opts.serving, prices, opts.decision.prices)
     extra = assemble.sections(opts.decision, table=prices, proj_table=proj_prices, notes=notes,
                               run_types={r.result.instance_type for r in runs}, runs=runs, a=assumptions, q=question,
                               out=out, px=CHART_PX, dpi=_DPI)
@@ -553,16 +553,17 @@ def build(result_paths: Sequence[str | Path], out: str | Path, *, prices_path: s
     return report
 
 
-def serving_lines(results: Sequence[str], tables: Sequence[PriceTable]) -> list[str]:
+def serving_lines(results: Sequence[str], table: PriceTable, sources: Sequence[str]) -> list[str]:
     """The "Serving" section (training/serve/cost.py): projected cost per 1,000 images on inf2 vs
-    GPU, plus the measured serving benches given with --serving. Prices: the later tables win
-    (the shipped table, then the projection's, then the report's own)."""
+    GPU, plus the measured serving benches given with --serving. Endpoint prices: the ``serving``
+    section of the shipped table, then of each --prices FILE, then the report's own prices (a
+    measured run's instance type, e.g. ``local``)."""
+    from training.decision.aws_prices import parse_source
     from training.serve.bench import ServeBenchResult
-    from training.serve.cost import section
+    from training.serve.cost import section, serving_prices
 
-    prices: dict[str, Price] = {}
-    for table in tables:
-        prices.update(table.prices)
+    files = [DEFAULT_PRICES, *(s for s in sources if parse_source(s)[0] == "file")]
+    prices = {**serving_prices(files), **table.prices}
     return ["", *section([ServeBenchResult.load(p) for p in results], prices)]
 
 

@@ -95,3 +95,21 @@ def test_report_reads_the_serving_bench(bench_json: Path, tmp_path: Path):
     assert f"${expected:,.4g} |" in serving
     assert "CPU figures from a local run (tiny model), not accelerator figures" in serving
     assert "ml.inf2.xlarge" in serving and "ml.g6.xlarge" in serving  # projected from the shipped prices
+
+
+def test_endpoint_prices_live_in_their_own_section_of_the_price_table(tmp_path: Path):
+    from training.decision.prices import DEFAULT_PRICES, PriceTable
+
+    shipped = cost.serving_prices([DEFAULT_PRICES])
+    assert set(shipped) == {"ml.inf2.xlarge", "ml.g6.xlarge"}
+    assert all(p.source.startswith("https://") and not p.verified and p.checked == "" for p in shipped.values())
+    # not HyperPod prices: the decision's table (and --prices aws) never sees them
+    assert not set(shipped) & set(PriceTable.load(DEFAULT_PRICES).prices)
+    ec2 = PriceTable.load(DEFAULT_PRICES).ec2
+    assert shipped["ml.inf2.xlarge"].usd_per_hour == pytest.approx(ec2["inf2.xlarge"].usd_per_hour * 1.40, abs=1e-3)
+    mine = tmp_path / "mine.yaml"
+    mine.write_text('as_of: "2026-12-01"\ncurrency: USD\nregion: us-east-1\nprices: {}\nserving:\n  ml.inf2.xlarge:\n'
+                    '    usd_per_hour: 0.5\n    source: "https://example.com/quote"\n    checked: "2026-12-01"\n'
+                    '    verified: true\n')
+    merged = cost.serving_prices([DEFAULT_PRICES, mine])
+    assert merged["ml.inf2.xlarge"].usd_per_hour == 0.5 and merged["ml.g6.xlarge"] == shipped["ml.g6.xlarge"]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from training import flops
@@ -75,6 +76,28 @@ SANA_DCAE = dict(
     encoder_layers_per_block=(2, 2, 2, 3, 3, 3), decoder_layers_per_block=(3, 3, 3, 3, 3, 3),
     downsample_block_type="conv", upsample_block_type="interpolate", decoder_norm_types="rms_norm",
     decoder_act_fns="silu", scaling_factor=0.41407)
+
+
+def serving_prices(paths: Sequence[str | Path]) -> dict[str, Any]:
+    """The ``serving`` section of price files (training/prices.yaml's layout; later files win),
+    each entry validated as every price table's entries are (training/decision/prices.py)."""
+    import yaml
+
+    from training.decision.prices import _entry  # one validation for every price entry
+    from training.errors import UserError
+
+    out: dict[str, Any] = {}
+    for path in map(Path, paths):
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise UserError(f"--prices {path}: unreadable ({exc})") from None
+        section = data.get("serving") or {}
+        if not isinstance(section, dict):
+            raise UserError(f"--prices {path}: key serving: expected a mapping of instance type -> price entry")
+        for name, entry in section.items():
+            out[str(name)] = _entry(path, "serving", str(name), entry, str(data.get("region", "")))
+    return out
 
 
 def text_encoder_flops(tokens: int, config: Mapping[str, int] = GEMMA2_2B) -> float:
@@ -165,8 +188,11 @@ def section(results: Sequence[ServeBenchResult], prices: Mapping[str, Any], *, p
               "`python -m training.report --serving FILE ...`)."]
     lines += ["", *measured_lines(results, prices), ""]
     for name in (INF2, GPU):
-        lines.append(f"- `{name}` peak: {SERVING_INSTANCES[name].source}; price: {prices[name].source} "
-                     f"(checked {prices[name].checked}{'' if prices[name].verified else ', unverified'}).")
+        price = prices[name]
+        checked = f"checked {price.checked}" if price.checked else "undated"
+        lines.append(f"- `{name}` peak: {SERVING_INSTANCES[name].source}; price: {price.source} "
+                     f"({checked}{'' if price.verified else ', unverified'}"
+                     f"{'; ' + price.note if getattr(price, 'note', '') else ''}).")
     return [*lines, ""]
 
 
