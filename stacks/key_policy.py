@@ -17,6 +17,10 @@ and every use of the key is a statement naming who and through what:
   this file system (stacks/storage.py), which the key cannot name (the file system is encrypted
   with this key, so naming it here would be a cycle);
 - the BucketDeployment handler of the cluster stack, only through S3 for the lifecycle bucket;
+- with ``serving=true``: the serving model's role (stacks/names.py serving_role_name) as a user
+  (it decrypts the model archive and encrypts captured requests), and grants for AWS resources
+  through SageMaker for whoever deploys the endpoint (its volume on this key; SageMaker API
+  reference, CreateEndpointConfig ``KmsKeyId``);
 - AWS services creating encrypted resources for CloudFormation (FSx, RDS, ECR, Secrets Manager,
   and SageMaker for the node volumes): grants for AWS resources only (kms:GrantIsForAWSResource);
 - Secrets Manager for the account's principals (reading a secret is then decided by the
@@ -65,6 +69,8 @@ class KeyPolicyProps:
     trail_arn: str | None = None
     log_group_arns: tuple[str, ...] = ()
     """ARN patterns (arn:...:log-group:NAME) of the log groups encrypted with the key."""
+    serving_role_arn: str | None = None
+    """Set with serving=true: the serving model's role (a key user), and endpoint volume grants."""
 
 
 def _account() -> str:
@@ -87,7 +93,8 @@ def platform_key_policy(p: KeyPolicyProps) -> iam.PolicyDocument:
         iam.PolicyStatement(
             sid="KeyUsers",
             principals=[account], actions=USE_ACTIONS, resources=["*"],
-            conditions={"ArnEquals": {"aws:PrincipalArn": [p.execution_role_arn, *p.users]}}),
+            conditions={"ArnEquals": {"aws:PrincipalArn": [
+                p.execution_role_arn, *([p.serving_role_arn] if p.serving_role_arn else []), *p.users]}}),
         # HyperPod node volumes (smcluster-cmk.html "Permissions"): the execution role creates
         # grants for the volumes through SageMaker (stacks/cluster.py ExecutionRole does the same).
         iam.PolicyStatement(
@@ -136,6 +143,12 @@ def platform_key_policy(p: KeyPolicyProps) -> iam.PolicyDocument:
                 "StringLike": {s3_context: _bucket_context(p, "lifecycle")},
             }),
     ]
+    if p.serving_role_arn:
+        statements.append(iam.PolicyStatement(
+            sid="EndpointVolumeGrants",
+            principals=[account], actions=["kms:CreateGrant", "kms:DescribeKey"], resources=["*"],
+            conditions={"StringEquals": {**in_account, "kms:ViaService": _via("sagemaker")},
+                        "Bool": {"kms:GrantIsForAWSResource": "true"}}))
     if p.log_group_arns:
         statements.append(iam.PolicyStatement(
             sid="CloudWatchLogsForPlatformLogGroups",

@@ -41,6 +41,22 @@ def execution_role_arn(project: str) -> str:
     return f"arn:{cdk.Aws.PARTITION}:iam::{cdk.Aws.ACCOUNT_ID}:role/{execution_role_name(project)}"
 
 
+def endpoint_name(project: str) -> str:
+    """The serving endpoint (stacks/serving.py); its CloudWatch log group is
+    /aws/sagemaker/Endpoints/<this>, which the key policy lets CloudWatch Logs encrypt."""
+    return f"{project}-serving"
+
+
+def serving_role_name(project: str) -> str:
+    """The serving model's role (stacks/serving.py): the key policy names it before the serving
+    stack creates it, as it names the execution role. Per region: IAM names are global."""
+    return f"{project}-serving-model-{cdk.Aws.REGION}"
+
+
+def serving_role_arn(project: str) -> str:
+    return f"arn:{cdk.Aws.PARTITION}:iam::{cdk.Aws.ACCOUNT_ID}:role/{serving_role_name(project)}"
+
+
 def trail_name(project: str) -> str:
     return f"{project}-data-events"
 

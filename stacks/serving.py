@@ -34,8 +34,9 @@ from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
 from stacks.cluster import nag_bucket_arn
-from stacks.common import acknowledge
+from stacks.common import acknowledge, log_group
 from stacks.config import PlatformConfig
+from stacks.names import bucket_names, endpoint_name, serving_role_name
 from stacks.network import Network
 from stacks.serving_config import (
     DLC_ACCOUNTS,
@@ -45,7 +46,7 @@ from stacks.serving_config import (
     image_kind,
     model_data_location,
 )
-from stacks.storage import StorageStack, bucket_names
+from stacks.storage import StorageStack
 
 VARIANT = "main"
 CAPTURE_PREFIX = "serving-capture/"
@@ -64,10 +65,6 @@ CONTAINER_ENV = {
     "SAGEMAKER_MODEL_SERVER_TIMEOUT": "60",
     "SAGEMAKER_DEFAULT_INVOCATIONS_ACCEPT": "application/json",
 }
-
-
-def endpoint_name(project: str) -> str:
-    return f"{project}-serving"
 
 
 class ServingStack(cdk.Stack):
@@ -120,8 +117,9 @@ class ServingStack(cdk.Stack):
             statements.append(iam.PolicyStatement(sid="EncryptDataCapture", resources=[key.key_arn],
                                                   actions=["kms:GenerateDataKey", "kms:Encrypt"]))
         self.policy = iam.ManagedPolicy(self, "ModelAccess", statements=statements)
+        # A fixed name: the platform key's policy (storage stack) names this role as a key user.
         self.role = iam.Role(self, "ModelRole", assumed_by=iam.ServicePrincipal("sagemaker.amazonaws.com"),
-                             managed_policies=[self.policy],
+                             role_name=serving_role_name(cfg.projectName), managed_policies=[self.policy],
                              description=f"{cfg.projectName} serving: the model's data, image, logs and VPC ENIs only")
         self._acknowledge_policy(cfg, model_bucket)
 
@@ -156,6 +154,11 @@ class ServingStack(cdk.Stack):
                         "API reference, CreateEndpointConfig KmsKeyId). Use ml.inf2.* for a volume on the platform key.")
 
         name = endpoint_name(cfg.projectName)
+        # SageMaker writes the endpoint's container logs to /aws/sagemaker/Endpoints/<name>, a group
+        # it would create itself, never expiring and without the platform key: made here first,
+        # with the platform's retention and key (the key policy admits CloudWatch Logs for it).
+        self.log_group = log_group(self, "EndpointLogs", retention_days=cfg.logRetentionDays, key=key,
+                                   removal=cdk.RemovalPolicy.DESTROY, name=f"/aws/sagemaker/Endpoints/{name}")
         self.errors_alarm = cloudwatch.Alarm(
             self, "Errors5xx", alarm_description=f"{name}: the endpoint answers 5XX (rolls a deployment back)",
             metric=cloudwatch.Metric(namespace="AWS/SageMaker", metric_name="Invocation5XXErrors",
@@ -181,6 +184,7 @@ class ServingStack(cdk.Stack):
                 auto_rollback_configuration=sagemaker.CfnEndpoint.AutoRollbackConfigProperty(
                     alarms=[sagemaker.CfnEndpoint.AlarmProperty(alarm_name=self.errors_alarm.alarm_name)])))
 
+        self.endpoint.node.add_dependency(self.log_group)  # the group exists before SageMaker writes to it
         # Target tracking on invocations per instance per minute; the service-linked role
         # AWSServiceRoleForApplicationAutoScaling_SageMakerEndpoint acts (no RoleARN given).
         self.scaling_target = appscaling.CfnScalableTarget(

@@ -21,7 +21,15 @@ from stacks.accounting import AccountingDatabase, AccountingDatabaseProps
 from stacks.common import acknowledge, removal_policy
 from stacks.config import PlatformConfig
 from stacks.key_policy import KeyPolicyProps, platform_key_policy
-from stacks.names import bucket_arn, bucket_names, execution_role_arn, log_group_arn, trail_arn
+from stacks.names import (
+    bucket_arn,
+    bucket_names,
+    endpoint_name,
+    execution_role_arn,
+    log_group_arn,
+    serving_role_arn,
+    trail_arn,
+)
 from stacks.network import ACCESS_LOG_PREFIX, Network
 from stacks.trail import DataEventsTrail, DataEventsTrailProps
 
@@ -36,8 +44,9 @@ def platform_log_groups(cfg: PlatformConfig) -> tuple[str, ...]:
     HyperPod cluster's (/aws/sagemaker/Clusters/<cluster name>/<cluster id>) and the accounting
     database's (/aws/rds/cluster/<identifier>/<log type>)."""
     p = cfg.projectName
+    serving = (f"/aws/sagemaker/Endpoints/{endpoint_name(p)}",) if cfg.serving else ()  # stacks/serving.py
     return (f"/aws/lambda/{p}-cluster-*", f"/aws/lambda/{p}-storage-*",
-            f"/aws/sagemaker/Clusters/{cfg.clusterName}/*", f"/aws/rds/cluster/{p}-slurm-accounting/*")
+            f"/aws/sagemaker/Clusters/{cfg.clusterName}/*", f"/aws/rds/cluster/{p}-slurm-accounting/*", *serving)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -67,7 +76,8 @@ class Buckets(Construct):
                 bucket_arns={kind: bucket_arn(name) for kind, name in names.items()},
                 administrators=cfg.keyAdministrators, users=cfg.keyUsers,
                 trail_arn=trail_arn(project) if cfg.cloudTrail else None,
-                log_group_arns=tuple(log_group_arn(n) for n in platform_log_groups(cfg)))))
+                log_group_arns=tuple(log_group_arn(n) for n in platform_log_groups(cfg)),
+                serving_role_arn=serving_role_arn(project) if cfg.serving else None)))
         self.data = self._bucket("Data", props, "data", names["data"])
         self.artefacts = self._bucket("Artefacts", props, "artefacts", names["artefacts"])
         self.lifecycle = self._bucket("Lifecycle", props, "lifecycle", names["lifecycle"])

@@ -168,3 +168,35 @@ def test_a_valid_image_override_is_accepted():
     cfg = PlatformConfig.from_context({"serving": "true", "servingModelDataUrl": URL, "region": "me-south-1",
                                        "availabilityZoneId": "mes1-az1", "servingImage": image})
     assert cfg.servingImage == image
+
+
+def test_platform_key_admits_the_serving_role_and_endpoint_volume_grants(trn_only, default):
+    def statements(synth) -> dict:
+        (key,) = synth.resources("Storage", "AWS::KMS::Key").values()
+        return {st["Sid"]: st for st in key["Properties"]["KeyPolicy"]["Statement"]}
+
+    users = json.dumps(statements(trn_only)["KeyUsers"]["Condition"])
+    assert ":role/sana-serving-model-" in users
+    grants = statements(trn_only)["EndpointVolumeGrants"]
+    assert grants["Action"] == ["kms:CreateGrant", "kms:DescribeKey"]
+    assert grants["Condition"]["Bool"] == {"kms:GrantIsForAWSResource": "true"}
+    assert json.dumps(grants["Condition"]["StringEquals"]["kms:ViaService"]).startswith('{"Fn::Join": ["", ["sagemaker.')
+    # ...and the role the serving stack creates has exactly that name
+    (role,) = trn_only.resources("Serving", "AWS::IAM::Role").values()
+    assert json.dumps(role["Properties"]["RoleName"]) == json.dumps(
+        {"Fn::Join": ["", ["sana-serving-model-", {"Ref": "AWS::Region"}]]})
+    # without serving, neither is in the key policy
+    assert "EndpointVolumeGrants" not in statements(default)
+    assert "serving-model" not in json.dumps(statements(default)["KeyUsers"])
+
+
+def test_endpoint_log_group_exists_first_with_retention_and_the_platform_key(trn_only):
+    group = one(trn_only, "AWS::Logs::LogGroup")
+    assert group["LogGroupName"] == "/aws/sagemaker/Endpoints/sana-serving"
+    assert group["RetentionInDays"] == 731 and group["KmsKeyId"] == platform_key(trn_only)
+    (group_id,) = trn_only.resources("Serving", "AWS::Logs::LogGroup")
+    (endpoint,) = trn_only.resources("Serving", "AWS::SageMaker::Endpoint").values()
+    assert group_id in endpoint["DependsOn"]
+    (key,) = trn_only.resources("Storage", "AWS::KMS::Key").values()
+    logs = {st["Sid"]: st for st in key["Properties"]["KeyPolicy"]["Statement"]}["CloudWatchLogsForPlatformLogGroups"]
+    assert "/aws/sagemaker/Endpoints/sana-serving" in json.dumps(logs["Condition"])
