@@ -94,7 +94,7 @@ def platform_key_policy(p: KeyPolicyProps) -> iam.PolicyDocument:
             sid="KeyUsers",
             principals=[account], actions=USE_ACTIONS, resources=["*"],
             conditions={"ArnEquals": {"aws:PrincipalArn": [
-                p.execution_role_arn, *([p.serving_role_arn] if p.serving_role_arn else []), *p.users]}}),
+                p.execution_role_arn, *p.users, *([p.serving_role_arn] if p.serving_role_arn else [])]}}),
         # HyperPod node volumes (smcluster-cmk.html "Permissions"): the execution role creates
         # grants for the volumes through SageMaker (stacks/cluster.py ExecutionRole does the same).
         iam.PolicyStatement(
