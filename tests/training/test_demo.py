@@ -48,7 +48,7 @@ def test_demo_runs_every_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     # the comparison report: prices with their sources (the shipped table: the demo never asks
     # AWS), the break-even, and the two training runs of the same seed side by side when .venv-xla exists
     md = (demo.out / "compare" / "report" / "report.md").read_text()
-    assert re.search(r"Sources asked, in order: \S*training/prices\.yaml\.", md), md
+    assert re.search(r"Sources asked, in order: [^\n]*training/prices\.yaml\.", md), md
     assert "## Prices and where they came from" in md and "**Cost per sample:**" in md and "## Price scenarios" in md
     if (Path(__file__).resolve().parents[2] / ".venv-xla" / "bin" / "python").exists():
         trn_steps = [json.loads(line)["step"] for line in (demo.out / "run-trn" / "metrics.jsonl").read_text().splitlines()]

@@ -125,9 +125,10 @@ def make_client() -> Any:
     import boto3
     from botocore.config import Config
 
-    return boto3.client("pricing", region_name=ENDPOINT_REGION,
-                        config=Config(connect_timeout=5, read_timeout=20, retries={"max_attempts": 3,
-                                                                                    "mode": "standard"}))
+    # A session of its own: boto3's module-level default session caches the credentials it
+    # resolved first, so a process that used other credentials earlier would sign with those.
+    config = Config(connect_timeout=5, read_timeout=20, retries={"max_attempts": 3, "mode": "standard"})
+    return boto3.session.Session().client("pricing", region_name=ENDPOINT_REGION, config=config)
 
 
 def get_products(client: Any, service_code: str, filters: list[dict[str, str]]) -> list[dict[str, Any]]:
