@@ -159,11 +159,15 @@ class ExecutionRole(Construct):
                          "ec2:DetachNetworkInterface"],
                 resources=[eni_arn],
                 conditions={"ArnEquals": {"ec2:Subnet": subnet_arn}}),
+            # On ENIs, without an ec2:CreateAction condition: AWS's reference execution-role
+            # policy grants it so (awslabs/awsome-distributed-ai, 1.architectures/
+            # 5.sagemaker-hyperpod/1.AmazonSageMakerClustersExecutionRolePolicy.json, Sid
+            # Addition2ToEnableVpcConfig), and HyperPod may tag an interface after creating it,
+            # which a CreateAction condition would refuse.
             iam.PolicyStatement(
-                sid="TagNodeInterfacesOnCreate",
+                sid="TagNodeInterfaces",
                 actions=["ec2:CreateTags"],
-                resources=[eni_arn],
-                conditions={"StringEquals": {"ec2:CreateAction": "CreateNetworkInterface"}}),
+                resources=[eni_arn]),
             iam.PolicyStatement(
                 sid="DescribeNetwork",
                 actions=["ec2:DescribeNetworkInterfaces", "ec2:DescribeVpcs", "ec2:DescribeDhcpOptions",

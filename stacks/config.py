@@ -78,13 +78,18 @@ RESERVED_NAMES = frozenset({"root", "daemon", "bin", "sys", "sync", "nobody", "n
 # UIDs/GIDs a cluster account may take. Debian Policy 9.2.2 (shared by Ubuntu, the HyperPod
 # AMI's base): 0-99 static system, 100-999 dynamic system accounts, 1000-59999 normal users,
 # 60000-64999 globally allocated by Debian, 65534 `nobody`/`nogroup`, 65535 invalid (the
-# 16-bit -1). 1000 is the AMI's `ubuntu` user (the first user of Ubuntu cloud images), which
-# HyperPod's own samples log in as. awslabs/awsome-distributed-training
-# (1.architectures/5.sagemaker-hyperpod/LifecycleScripts/base-config/utils/create_users.sh)
-# refuses UIDs already present on the node; we refuse them at synth instead.
-POSIX_ID_MIN, POSIX_ID_MAX = 1001, 59999
-POSIX_ID_ALLOWED = (f"allowed: {POSIX_ID_MIN}-{POSIX_ID_MAX} (0-999 are system accounts, 1000 is the AMI's "
-                    "ubuntu user, 60000-65535 are reserved by Debian/Ubuntu, 65534 is nobody)")
+# 16-bit -1). 1000-1999 are left to the node's own accounts: 1000 is the AMI's `ubuntu` user,
+# and the SSM agent creates `ssm-user` when it starts (aws/amazon-ssm-agent release 2.3.68.0:
+# "SSM Agent will create a local user 'ssm-user' ... every time the agent starts"), with
+# useradd's default, the next free UID (1001 after ubuntu). AWS's add-users extension says the
+# same (awslabs/awsome-distributed-ai, 1.architectures/5.sagemaker-hyperpod/Extensions/
+# add-users/README.md, "Choosing UIDs": "Use UIDs >= 2000 to avoid conflicts with system
+# users"). The floor applies to the group too: useradd gives ssm-user a private group with
+# the same number.
+POSIX_ID_MIN, POSIX_ID_MAX = 2000, 59999
+POSIX_ID_ALLOWED = (f"allowed: {POSIX_ID_MIN}-{POSIX_ID_MAX} (below 2000: system accounts, the AMI's ubuntu "
+                    "user and ssm-user, which the SSM agent creates with the next free id; 60000-65535 are "
+                    "reserved by Debian/Ubuntu, 65534 is nobody)")
 HOME_ROOT = "/fsx/home"
 # CloudWatch Logs PutRetentionPolicy retentionInDays values (CloudWatch Logs API Reference).
 LOG_RETENTION_DAYS: tuple[int, ...] = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827,
@@ -251,6 +256,8 @@ class PlatformConfig:
     """Auto-scaling target: invocations per instance per minute (SageMakerVariantInvocationsPerInstance)."""
     servingDataCapture: bool = False
     """Capture requests and responses to the artefacts bucket (KMS-encrypted). Off: prompts may hold PHI."""
+    containerRuntime: bool = True
+    """enroot + pyxis on gpu, trn and login nodes (installed at boot where the AMI lacks them); false = none."""
 
     def __post_init__(self) -> None:
         if not PROJECT_NAME_RE.match(self.projectName):
@@ -422,6 +429,7 @@ class PlatformConfig:
             "cluster_users": [{"name": u.name, "uid": u.id} for u in self.clusterUsers],
             "home_root": HOME_ROOT,
             "slurm_accounting": self.slurmAccounting,
+            "container_runtime": self.containerRuntime,
         }
 
     @classmethod

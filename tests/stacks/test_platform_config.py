@@ -87,10 +87,14 @@ BAD = [
     ({"clusterUsers": ["ana:2001", "ben:2001"]},
      "invalid context value clusterUsers=['ana:2001', 'ben:2001']: duplicate uid 2001; allowed: each uid once"),
     ({"clusterUsers": "ana:999"}, "invalid context value clusterUsers='ana:999': user id 999 is reserved; allowed: "
-                                  "1001-59999 (0-999 are system accounts, 1000 is the AMI's ubuntu user"),
+                                  "2000-59999 (below 2000: system accounts, the AMI's ubuntu user and ssm-user"),
     ({"clusterUsers": "ana:1000"}, "invalid context value clusterUsers='ana:1000': user id 1000 is reserved"),
+    # ssm-user's UID: the SSM agent creates it with the next free UID (1001 after ubuntu).
+    ({"clusterUsers": "ana:1001"}, "invalid context value clusterUsers='ana:1001': user id 1001 is reserved"),
+    ({"clusterUsers": "ana:2002,ben:1999"},
+     "invalid context value clusterUsers='ben:1999': user id 1999 is reserved; allowed: 2000-59999"),
     ({"clusterUsers": "ana:65534"}, "invalid context value clusterUsers='ana:65534': user id 65534 is reserved; "
-                                    "allowed: 1001-59999"),
+                                    "allowed: 2000-59999"),
     ({"clusterUsers": "ana:60000"}, "invalid context value clusterUsers='ana:60000': user id 60000 is reserved"),
     ({"clusterUsers": "Ana:2001"}, "invalid context value clusterUsers='Ana:2001': bad user name 'Ana'; allowed: "
                                    "1-32 characters, a lower-case letter or '_' first"),
@@ -108,8 +112,10 @@ BAD = [
     ({"clusterGroup": "researcher:3000"},
      "invalid context value clusterGroup='researcher:3000': name 'researcher' is a user's name"),
     ({"clusterGroup": "sana:500"}, "invalid context value clusterGroup='sana:500': group id 500 is reserved"),
+    ({"clusterGroup": "sana:1001"}, "invalid context value clusterGroup='sana:1001': group id 1001 is reserved"),
     ({"clusterGroup": "docker:3000"}, "invalid context value clusterGroup='docker:3000': group name 'docker' already"),
     ({"clusterGroup": "sana"}, "invalid context value clusterGroup='sana': allowed: group specs written name:id"),
+    ({"containerRuntime": "maybe"}, "invalid context value containerRuntime='maybe': allowed: true or false"),
     ({"continuousProvisioning": "sometimes"},
      "invalid context value continuousProvisioning='sometimes': allowed: true or false"),
     ({"slurmAccounting": "true", "continuousProvisioning": "false"},
@@ -142,7 +148,7 @@ def test_cluster_users_from_cdk_json_list_and_from_cli_string():
     assert from_list.clusterGroup == PosixAccount("lab", 3000)
     assert PlatformConfig().clusterUsers == (PosixAccount("researcher", 2001),)
     # Boundaries of the allowed ID range are accepted.
-    assert PlatformConfig.from_context({"clusterUsers": "lo:1001,hi:59999"}).clusterUsers[1].id == 59999
+    assert PlatformConfig.from_context({"clusterUsers": "lo:2000,hi:59999", "clusterGroup": "lab:3000"}).clusterUsers[1].id == 59999
 
 
 def test_users_built_in_python_are_validated_too():
@@ -159,6 +165,10 @@ def test_settings_carry_users_group_home_root_and_accounting():
     assert settings["cluster_users"] == [{"name": "ana", "uid": 2001}, {"name": "ben", "uid": 2002}]
     assert settings["home_root"] == "/fsx/home"
     assert settings["slurm_accounting"] is True
+    assert settings["container_runtime"] is True  # default: enroot + pyxis on gpu, trn and login
+    off = PlatformConfig.from_context({"containerRuntime": "false"})
+    assert off.settings(region="us-east-1", data_bucket="d", artefacts_bucket="a", lifecycle_bucket="l",
+                        package_hash="0" * 16)["container_runtime"] is False
 
 
 def test_accounting_subnets_are_two_27s_after_the_nat_subnet():

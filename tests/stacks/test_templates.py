@@ -282,7 +282,21 @@ def test_platform_settings_json_follows_the_contract(default):
         "cluster_users": [{"name": "researcher", "uid": 2001}],
         "home_root": "/fsx/home",
         "slurm_accounting": False,
+        "container_runtime": True,
     }
+
+
+def test_execution_role_tags_node_interfaces_as_the_reference_policy_does(default):
+    """awslabs/awsome-distributed-ai 1.AmazonSageMakerClustersExecutionRolePolicy.json grants
+    ec2:CreateTags on network interfaces with no condition; a CreateAction condition would
+    refuse a tag HyperPod puts on an interface after creating it."""
+    statements = {st["Sid"]: st for st in platform_policy(default)["Properties"]["PolicyDocument"]["Statement"]}
+    tagging = [st for st in statements.values() if "ec2:CreateTags" in
+               (st["Action"] if isinstance(st["Action"], list) else [st["Action"]])]
+    assert len(tagging) == 1
+    (st,) = tagging
+    assert "Condition" not in st, st
+    assert json.dumps(st["Resource"]).endswith(':network-interface/*"]]}')
 
 
 def test_execution_role_may_create_grants_on_the_platform_key_for_node_volumes(default):
