@@ -14,6 +14,10 @@ PROVISION_LOG="${PROVISION_LOG_DIR}/provisioning.log"
 # What this node learnt about itself (settings.env, node.env); kept for debugging.
 STATE_DIR="${PLATFORM_ROOT}/var/lib/sana-platform"
 PROFILE_PATH="${PLATFORM_ROOT}/etc/profile.d/sana-platform.sh"
+# The WARN lines of this node's status file ("<part>\t<cause>"): the lifecycle's, and the late
+# check's (sana-node-ready.service, slurm_ready.sh).
+WARNINGS_FILE="${STATE_DIR}/warnings"
+LATE_WARNINGS_FILE="${STATE_DIR}/late-warnings"
 }
 
 # The [tag] of this script's log lines: the step name on_init_complete.sh gives it, else the
@@ -35,6 +39,14 @@ die() {
     printf 'ERROR: %s\n' "$*" >&2
   fi
   exit 1
+}
+
+# warn CAUSE...: something optional does not work on this node (a container runtime, an
+# accounting association). The step goes on; on_init_complete.sh (or the late check) puts
+# one "WARN part=<step> cause=<CAUSE>" line in the node's status file. Never fails the node.
+warn() {
+  log "WARNING: $*"
+  if [[ -n ${STEP_WARN_FILE:-} ]]; then printf '%s\n' "$*" >>"$STEP_WARN_FILE"; fi
 }
 
 # An unexpected failure (set -e) still names its cause: the command, status and line.

@@ -19,13 +19,24 @@
 #     /opt/ml/config/resource_config.json (Extensions/detect-node/README.md: written "before
 #     any lifecycle scripts run").
 #
-# So this script OWNS NOTHING OF SLURM: no step writes slurm.conf, gres.conf or cgroup.conf,
-# and none starts, stops or restarts slurmctld/slurmd/munge (HyperPod owns them and keeps
-# slurm.conf in sync as groups scale, SlurmConfigStrategy=Managed). A Slurm setting we need
-# goes through the API (the cluster stack's SlurmConfig), never through a file here. The
-# daemons may still be starting while we run (detect-node/README.md: "OnInitComplete and
-# lifecycle scripts can run before or in parallel with Slurm service startup"), so the last
-# step waits, with a bound, until this node's daemon is active before it reports READY.
+# So this script OWNS NOTHING OF SLURM's configuration from the API: no step writes slurm.conf,
+# gres.conf or cgroup.conf, and none starts, stops or restarts slurmctld/slurmd/munge (HyperPod
+# owns them and keeps slurm.conf in sync as groups scale, SlurmConfigStrategy=Managed). A Slurm
+# setting we need goes through the API (the cluster stack's SlurmConfig). The one exception is
+# the SPANK plugin list: the containers step registers pyxis in the controller's plugstack.conf
+# (the API has no field for it; AWS's reference lifecycle does the same, see
+# container_runtime.sh), from which configless nodes receive it.
+#
+# What makes a node unusable for training fails it: no FSx, no package, no env, a broken
+# accelerator. What is optional degrades to a WARN line in the node's status file: the
+# container runtime (step containers) and, on the controller, the accounting associations.
+# What depends on Slurm's timing never runs here: the daemons may start before, during or
+# after this script ("OnInitComplete and lifecycle scripts can run before or in parallel with
+# Slurm service startup", Extensions/detect-node/README.md; "during scale-up ... slurmd may not
+# be started yet", Extensions/observability/setup_observability.sh). The last step installs a
+# oneshot unit, sana-node-ready.service, started by systemd after this node's Slurm daemon
+# (WantedBy= + After=, systemd.unit(5)); it checks that part of Slurm, adds the accounting
+# associations (controller), checks pyxis (container nodes) and writes the READY line.
 #
 # Steps (one small script per concern; see runbooks/node-boot.md):
 #   all roles   settings -> identity -> imds -> fsx -> dirs -> users -> package -> profile -> ... -> ready
@@ -33,9 +44,10 @@
 #   gpu         ... -> env-gpu (build /fsx/envs/gpu once per cluster) -> containers -> ready
 #   trn         ... -> env-neuron (build /fsx/envs/neuron once per cluster) -> containers -> ready
 #   login       ... -> env-gpu (only the base Python the GPU env links to) -> containers -> ready
-#   (containers: enroot + pyxis checked and configured for container jobs; not on the controller)
 #   gpu, trn    ... -> containers -> ssh (SSH only for users with a job on the node) -> ready
-#   controller  ... -> accounts (slurmAccounting=true: Slurm account + user associations) -> ready
+#   controller  ... -> containers (register pyxis for the configless nodes) -> ready
+#   (containers: enroot + pyxis installed where missing and configured; optional: WARN, never FAILED)
+#   later, after slurmd/slurmctld started: sana-node-ready.service (slurm_ready.sh) -> READY
 #
 # Every line goes to stdout (HyperPod ships it to CloudWatch) and to
 # /var/log/provision/provisioning.log. A failure ends with ONE line
@@ -50,7 +62,10 @@
 #   LIFECYCLE_FSX_WAIT_S            how long to wait for the FSx mount (default 300)
 #   LIFECYCLE_ENV_LOCK_TIMEOUT_S    how long to wait for another node's env build (default 3600)
 #   LIFECYCLE_MIN_PYTHON            oldest Python the envs may be built with (default 3.11)
-#   LIFECYCLE_SLURM_WAIT_S          how long the ready step waits for this node's Slurm daemon (default 300)
+#   LIFECYCLE_SLURM_WAIT_S          how long the late check waits for this node's Slurm part (default 300)
+#   LIFECYCLE_NVME_WAIT_S           how long the containers step waits for dlami-nvme.service (default 120)
+#   LIFECYCLE_ENROOT_RELEASE_URL    where the enroot .debs are downloaded from (default: NVIDIA's GitHub release)
+#   LIFECYCLE_PYXIS_SOURCE_URL      the pyxis source tarball (default: NVIDIA's GitHub tag archive)
 #   LIFECYCLE_FAILURE_LOG_WAIT_S    seconds to wait after a failure so the log reaches CloudWatch (default 60)
 
 # Started as `sh on_init_complete.sh`? Re-run under bash before anything bash-only.
@@ -63,26 +78,47 @@ export LIFECYCLE_DIR PLATFORM_ROOT="${PLATFORM_ROOT:-}"
 source "$LIFECYCLE_DIR/common.sh"
 
 # run_step NAME SCRIPT [ARGS...]: run one step script (with bash: S3 keeps no execute bits);
-# on failure print the one FAILED line, record it in the node status file, exit 1.
+# on failure print the one FAILED line, record it in the node status file, exit 1. What the
+# step warns about (common.sh warn) is kept for the status file's WARN lines.
 run_step() {
-  local name=$1 script=$2 started=$SECONDS status=0
-  shift 2
-  local error_file="$STATE_DIR/step-error" output_file="$STATE_DIR/step-output"
+  run_step_script required "$@"
+}
+
+# run_optional_step NAME SCRIPT [ARGS...]: the same for a part the node works without: a
+# failure becomes one WARN line (status file, log) and the next step runs.
+run_optional_step() {
+  run_step_script optional "$@"
+}
+
+run_step_script() {
+  local kind=$1 name=$2 script=$3 started=$SECONDS status=0
+  shift 3
+  local error_file="$STATE_DIR/step-error" output_file="$STATE_DIR/step-output" warn_file="$STATE_DIR/step-warnings"
   : >"$error_file"
+  : >"$warn_file"
   log "step $name: start"
-  STEP_NAME=$name STEP_ERROR_FILE=$error_file bash "$LIFECYCLE_DIR/$script" "$@" 2>&1 \
+  STEP_NAME=$name STEP_ERROR_FILE=$error_file STEP_WARN_FILE=$warn_file bash "$LIFECYCLE_DIR/$script" "$@" 2>&1 \
     | tee "$output_file" || status=$?
+  local cause
   if ((status != 0)); then
-    local cause last_output
+    local last_output
     cause=$(tr '\n' ' ' <"$error_file")
     if [[ -z $cause || $cause == "command failed"* ]]; then
       # Not a failure the step anticipated: add what the command itself said last.
       last_output=$(grep -Ev '^[0-9]{4}-[0-9-]+T[0-9:]+Z \[' "$output_file" | tail -n 1 || true)
       cause="${cause:-exited with status $status}${last_output:+ -> $last_output}"
     fi
-    fail "$name" "$cause"
+    [[ $kind == optional ]] || fail "$name" "$cause"
+    printf '%s\n' "${cause% }" >>"$warn_file"
   fi
-  log "step $name: done in $((SECONDS - started))s"
+  while IFS= read -r cause; do
+    printf '%s\t%s\n' "$name" "$cause" >>"$WARNINGS_FILE"
+  done <"$warn_file"
+  if ((status != 0)); then
+    log "WARN step=$name: $(tail -n 1 "$warn_file") (optional: the node goes on without it)"
+  else
+    log "step $name: done in $((SECONDS - started))s"
+  fi
 }
 
 # fail STEP CAUSE: the node status file on FSx (once it is usable), the one FAILED line, then
@@ -117,6 +153,7 @@ load() {
 main() {
   local started=$SECONDS
   log "provisioning node from $LIFECYCLE_DIR (PLATFORM_ROOT='${PLATFORM_ROOT}')"
+  : >"$WARNINGS_FILE"
   run_step settings settings.sh
   load "$STATE_DIR/settings.env"
   run_step identity node_identity.sh
@@ -135,20 +172,16 @@ main() {
     login) run_step env-gpu python_env.sh gpu use ;;
   esac
   # Container jobs (srun --container-image) start on workers and are submitted from the login
-  # node; the controller runs none.
-  case $NODE_ROLE in
-    gpu | trn | login) run_step containers container_runtime.sh ;;
-  esac
+  # node; the controller registers pyxis for them (configless nodes get plugstack.conf from it).
+  run_optional_step containers container_runtime.sh
   # Compute nodes: SSH only for users with a job there (pam_slurm_adopt).
   case $NODE_ROLE in
     gpu | trn) run_step ssh ssh_access.sh ;;
   esac
-  # With slurmAccounting=true: the cluster group's Slurm account and one association per user.
-  case $NODE_ROLE in
-    controller) run_step accounts slurm_accounts.sh ;;
-  esac
   run_step ready readiness.sh
-  log "READY node=$NODE_NAME role=$NODE_ROLE in $((SECONDS - started))s"
+  local warnings
+  warnings=$(cut -f1 "$WARNINGS_FILE" | sort -u | paste -sd, -)
+  log "DONE node=$NODE_NAME role=$NODE_ROLE in $((SECONDS - started))s, warnings: ${warnings:-none}; sana-node-ready.service writes READY once Slurm is up here"
 }
 
 mkdir -p "$PROVISION_LOG_DIR" "$STATE_DIR"

@@ -1,18 +1,34 @@
 #!/usr/bin/env bash
-# Step "ready": is this node ready for a Sana job? FSx writable, the accelerator driver
+# Step "ready": is this node usable for a Sana job? FSx writable, the accelerator driver
 # answers (nvidia-smi / neuron-ls, where installed), the backend env imports torch (and
-# torch_xla + torch_neuronx on trn) plus the training package, and this node's part of Slurm is up (slurmctld
-# on the controller, slurmd on gpu/trn nodes, the controller reachable from the login node).
-# On success it writes this node's one-line status file on FSx
-# ($FSX/logs/provision/<instance>.status); on_init_complete.sh writes a FAILED one when any
-# step fails.
+# torch_xla + torch_neuronx on trn) plus the training package. Any of these failing fails the
+# node: it could not train.
+#
+# Slurm is NOT checked here: HyperPod may start this node's daemon before, during or after the
+# lifecycle ("OnInitComplete and lifecycle scripts can run before or in parallel with Slurm
+# service startup", awslabs/awsome-distributed-ai 1.architectures/5.sagemaker-hyperpod/
+# Extensions/detect-node/README.md), and a node failed for that would be replaced by one that
+# fails the same way. Instead this step
+#   1. writes the node's status file as PENDING (what passed here, plus the WARN lines);
+#   2. installs sana-node-ready.service, a oneshot unit WantedBy= and After= this node's Slurm
+#      daemon (slurmctld on the controller, slurmd elsewhere: HyperPod's login nodes run a
+#      configless slurmd too, tools/devops-agent/docs/hyperpod-mental-model.md). systemd.unit(5):
+#      WantedBy= makes starting the daemon start the unit as well, After= runs it once the
+#      daemon's start job has finished. So the check runs whenever HyperPod starts the daemon,
+#      now or in an hour, and again after every restart or reboot;
+#   3. starts it now (--no-block) if the daemon is already up or starting: a start job queued
+#      before the unit was enabled would not pull it in.
+# The unit runs slurm_ready.sh (copied to $STATE_DIR/lifecycle with the other scripts), which
+# writes the final READY line.
 set -euo pipefail
 # shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 # shellcheck source=SCRIPTDIR/system.sh
 source "$(dirname "${BASH_SOURCE[0]}")/system.sh"
+# shellcheck source=SCRIPTDIR/status.sh
+source "$(dirname "${BASH_SOURCE[0]}")/status.sh"
 step_init
-require_vars FSX NODE_NAME NODE_ROLE NODE_GROUP NODE_IP CFG_PACKAGE_HASH
+require_vars FSX NODE_NAME NODE_ROLE NODE_GROUP NODE_IP CFG_PACKAGE_HASH LIFECYCLE_DIR
 
 details=()
 
@@ -48,49 +64,6 @@ check_env() {
   details+=("env=$env")
 }
 
-# check_slurm: HyperPod (Extended mode) configures and starts this node's part of Slurm; we
-# only wait for it, with a bound: "OnInitComplete and lifecycle scripts can run before or in
-# parallel with Slurm service startup" (awslabs/awsome-distributed-ai,
-# 1.architectures/5.sagemaker-hyperpod/Extensions/detect-node/README.md). What "up" means per
-# role follows HyperPod's own scripts:
-#   controller  slurmctld active (Extensions/observability/install_slurm_exporter.sh checks
-#               `systemctl is-active --quiet slurmctld`)
-#   gpu, trn    slurmd active (LifecycleScripts/base-config/start_slurm.sh enables slurmd on
-#               compute nodes)
-#   login       the controller answers `scontrol ping`: a login node only submits, and
-#               slurmd does not stay up there ("slurmd won't run because slurm.conf does not
-#               contain login nodes", start_slurm.sh: the Customer Managed sample; Extended
-#               mode's login nodes are assumed alike), so its readiness is the client's.
-check_slurm() {
-  local what label hint out state
-  local -a probe
-  case $NODE_ROLE in
-    controller) what="slurmctld is not active on this node" probe=(unit_state slurmctld)
-      label="systemctl is-active slurmctld" hint="see \`journalctl -u slurmctld\` on this node" ;;
-    login) what="slurmctld does not answer from this login node" probe=(slurm_ping)
-      label="scontrol ping" hint="see the controller's status file and \`journalctl -u slurmctld\` there" ;;
-    *) what="slurmd is not active on this node" probe=(unit_state slurmd)
-      label="systemctl is-active slurmd" hint="see \`journalctl -u slurmd\` on this node" ;;
-  esac
-  local wait_s=${LIFECYCLE_SLURM_WAIT_S:-300} poll_s=${LIFECYCLE_SLURM_POLL_S:-5}
-  local deadline=$((SECONDS + wait_s)) remaining
-  until out=$("${probe[@]}" 2>&1); do
-    state=$(printf '%s\n' "$out" | head -n 1)
-    remaining=$((deadline - SECONDS))
-    if ((remaining <= 0)); then
-      die "$what after ${wait_s}s ($label: ${state:-no answer}); HyperPod starts Slurm in Extended mode (the group's SlurmConfig), not this script: $hint"
-    fi
-    log "waiting for Slurm ($label: ${state:-no answer}; ${remaining}s left)"
-    sleep $((remaining < poll_s ? remaining : poll_s))
-  done
-  log "Slurm is up here ($label: $(printf '%s\n' "$out" | head -n 1))"
-  case $NODE_ROLE in
-    controller) details+=("slurm=slurmctld") ;;
-    login) details+=("slurm=slurmctld-reachable") ;;
-    *) details+=("slurm=slurmd") ;;
-  esac
-}
-
 check_fsx_writable
 case $NODE_ROLE in
   gpu)
@@ -102,10 +75,73 @@ case $NODE_ROLE in
     check_env "${ENV_NEURON_DIR:?}" torch torch_xla torch_neuronx
     ;;
 esac
-check_slurm
 
-status=$(printf '%s READY node=%s group=%s role=%s ip=%s package=%s %s\n' \
-  "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "$NODE_NAME" "$NODE_GROUP" "$NODE_ROLE" "$NODE_IP" \
-  "$CFG_PACKAGE_HASH" "${details[*]}")
-write_node_status "$status"
-log "status: $status"
+UNIT=sana-node-ready.service
+case $NODE_ROLE in
+  controller) daemon=slurmctld ;;
+  *) daemon=slurmd ;;
+esac
+
+# ready_warn CAUSE: a WARN line for this step (the late check may not run: say so in the file).
+ready_warn() {
+  log "WARNING: $*"
+  printf 'ready\t%s\n' "$*" >>"$WARNINGS_FILE"
+}
+
+# What the late check needs: the scripts (node-local: FSx may be slow or remounting when the
+# daemon starts), the settings and identity (already in $STATE_DIR) and what passed here.
+install_late_check() {
+  local incoming dest="$STATE_DIR/lifecycle"
+  incoming=$(mktemp -d "$STATE_DIR/.lifecycle.XXXXXX")
+  cp "$LIFECYCLE_DIR"/*.sh "$LIFECYCLE_DIR"/*.py "$incoming/"
+  chmod 0755 "$incoming"
+  rm -rf "$dest"
+  mv -T "$incoming" "$dest"
+  {
+    printf 'READY_DETAILS=%q\n' "${details[*]}"
+    printf 'SLURM_DAEMON=%q\n' "$daemon"
+    # The clock the late check measures the wait for Slurm from.
+    printf 'LIFECYCLE_DONE_AT=%q\n' "$(date +%s)"
+  } | write_atomically "$STATE_DIR/ready.env" 0644
+  local unit_dir="${PLATFORM_ROOT}/etc/systemd/system"
+  mkdir -p "$unit_dir"
+  # Paths in the unit are the node's, without the test prefix. TimeoutStartSec: a oneshot's
+  # start job is bounded by DefaultTimeoutStartSec (90 s, systemd-system.conf(5)); the check
+  # has its own bounds (LIFECYCLE_SLURM_WAIT_S, the slurmdbd and pyxis waits).
+  cat <<UNITFILE | write_atomically "$unit_dir/$UNIT" 0644
+# Written by the Sana platform lifecycle (lifecycle_scripts/readiness.sh).
+[Unit]
+Description=Sana platform: record this node READY once its Slurm daemon is up
+After=$daemon.service
+
+[Service]
+Type=oneshot
+ExecStart=/bin/bash ${dest#"$PLATFORM_ROOT"}/slurm_ready.sh
+TimeoutStartSec=45min
+
+[Install]
+WantedBy=$daemon.service
+UNITFILE
+}
+
+install_late_check
+rm -f "$LATE_WARNINGS_FILE" # the late check of a previous boot; it runs again
+record_node_status PENDING "${details[*]} slurm=waiting-for-$daemon"
+out=""
+if ! out=$(systemctl daemon-reload 2>&1 && systemctl enable "$UNIT" 2>&1); then
+  ready_warn "cannot enable $UNIT ($(printf '%s' "$out" | tail -n 1)); READY will not be recorded: run \`bash $STATE_DIR/lifecycle/slurm_ready.sh\` as root once $daemon is up"
+  record_node_status PENDING "${details[*]} slurm=waiting-for-$daemon"
+fi
+state=$(unit_state "$daemon" 2>/dev/null | head -n 1 || true)
+case $state in
+  active | activating | reloading)
+    if out=$(systemctl start --no-block "$UNIT" 2>&1); then
+      log "$daemon is ${state}: started $UNIT, which writes READY once $daemon is up"
+    else
+      ready_warn "$daemon is $state but \`systemctl start $UNIT\` failed ($(printf '%s' "$out" | tail -n 1))"
+      record_node_status PENDING "${details[*]} slurm=waiting-for-$daemon"
+    fi
+    ;;
+  *) log "$daemon is ${state:-not known here} (HyperPod starts it, not this script): $UNIT runs when it does" ;;
+esac
+log "status: $(head -n 1 "$(node_status_file)")"

@@ -71,14 +71,15 @@ env_neuron = abspath("envs.neuron", envs["neuron"])
 
 # Cluster users (cdk context clusterUsers / clusterGroup; the stack validates them at synth,
 # this is the node's own check before useradd sees them). Names: what Debian's useradd
-# accepts by default (NAME_REGEX, useradd(8)), at most 32 characters. IDs: the range
-# login.defs(5) gives regular accounts on Debian/Ubuntu (UID_MIN 1000 .. UID_MAX 60000;
-# 60000-65535 are reserved, 65534 is nobody).
+# accepts by default (NAME_REGEX, useradd(8)), at most 32 characters. IDs: regular accounts
+# (login.defs(5) UID_MAX 60000; 60000-65535 are reserved, 65534 is nobody) from 2000: below
+# are the node's own (ubuntu at 1000, ssm-user, which the SSM agent creates with the next
+# free id; stacks/config.py POSIX_ID_MIN says why and cites the sources).
 NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 def posix_id(key, value):
-    if not isinstance(value, int) or isinstance(value, bool) or not 1000 <= value <= 59999:
-        fail(f"key '{key}' must be an integer in 1000..59999 (regular accounts), got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 2000 <= value <= 59999:
+        fail(f"key '{key}' must be an integer in 2000..59999 (regular accounts above the node's own), got {value!r}")
     return value
 
 def posix_name(key, value):
@@ -115,6 +116,9 @@ if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", lifecycle_bucket):
 accounting = s.get("slurm_accounting")
 if not isinstance(accounting, bool):
     fail(f"key 'slurm_accounting' must be true or false, got {accounting!r}")
+container_runtime = s.get("container_runtime")
+if not isinstance(container_runtime, bool):
+    fail(f"key 'container_runtime' must be true or false, got {container_runtime!r}")
 
 values = {
     "CFG_PROJECT": get("project"),
@@ -133,6 +137,7 @@ values = {
     "CFG_CLUSTER_USERS": " ".join(user_specs),
     "CFG_HOME_ROOT": home_root,
     "CFG_SLURM_ACCOUNTING": "true" if accounting else "false",
+    "CFG_CONTAINER_RUNTIME": "true" if container_runtime else "false",
     # Paths as this node sees them (PLATFORM_ROOT + the cluster path).
     "FSX": root + fsx_mount,
     "ENV_GPU_DIR": root + env_gpu,

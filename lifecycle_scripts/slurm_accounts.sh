@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# Step "accounts" (controller only, and only with slurmAccounting=true): one Slurm account
-# named after the cluster group, and an association (user, account) for every cluster user,
-# so the accounting database knows who the platform's users are.
+# Late check "accounts" (slurm_ready.sh on the controller, once slurmctld is up): one Slurm
+# account named after the cluster group, and an association (user, account) for every cluster
+# user, wherever this cluster has an accounting database. Optional: a failure is a WARN line in
+# the controller's status file.
 #
 # Why: with an accounting database, Slurm's limits, fair-share and `sreport` work per
 # association, and once AccountingStorageEnforce includes "associations" slurmctld refuses
 # a job from a user with no association ("Invalid account or account/partition
 # combination", slurm.conf(5) AccountingStorageEnforce; slurm.schedmd.com/accounting.html,
 # "Database Configuration": "users must be added to the database ... before they can run
-# jobs"). HyperPod writes the AccountingStorage* lines when the cluster has an
-# AccountingDatabase (docs.aws.amazon.com/sagemaker/latest/dg/
-# sagemaker-hyperpod-external-accounting-db-slurm.html); which Enforce flags it sets is
-# HyperPod's choice, so the associations are created either way.
+# jobs"). AWS's add-users extension registers every user for the same reason
+# (awslabs/awsome-distributed-ai 1.architectures/5.sagemaker-hyperpod/Extensions/add-users/
+# setup_slurm_accounts.sh, "so they can submit jobs").
+#
+# Which clusters: not only slurmAccounting=true. "By default, SageMaker HyperPod deploys
+# MariaDB on your cluster's controller instance, so accounting works with no database for you
+# to manage" (docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-hyperpod-external-accounting-db-slurm.html);
+# slurmAccounting=true only moves it to Aurora. So the running slurmctld says: `scontrol show
+# config` prints AccountingStorageType (slurm.conf(5)); accounting_storage/slurmdbd means a
+# database to register with, accounting_storage/none means nothing to do.
 #
 # sacctmgr(1): -i commits immediately; names are stored in lower case ("The contents of
 # Slurm's database are maintained in lower case"); `show account` / `show assoc ... format=`
@@ -23,16 +30,21 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 # shellcheck source=SCRIPTDIR/system.sh
 source "$(dirname "${BASH_SOURCE[0]}")/system.sh"
 step_init
-require_vars CFG_CLUSTER_GROUP CFG_SLURM_ACCOUNTING
+require_vars CFG_CLUSTER_GROUP
 
-if [[ $CFG_SLURM_ACCOUNTING != true ]]; then
-  log "Slurm accounting is off (slurmAccounting=false): no associations to create"
-  exit 0
-fi
 # HyperPod installs Slurm under /opt/slurm (see system.sh slurm_ping).
 PATH="$PATH:/opt/slurm/bin"
+config=$(scontrol show config 2>&1) \
+  || die "scontrol show config failed on the controller ($(printf '%s' "$config" | tail -n 1)); cannot tell whether accounting is configured"
+storage=$(awk -F= '$1 ~ /^AccountingStorageType *$/ { gsub(/ /, "", $2); print $2 }' <<<"$config")
+enforce=$(awk -F= '$1 ~ /^AccountingStorageEnforce *$/ { gsub(/ /, "", $2); print $2 }' <<<"$config")
+if [[ $storage != accounting_storage/slurmdbd ]]; then
+  log "no accounting database (AccountingStorageType=${storage:-unset}): no associations to create"
+  exit 0
+fi
+log "accounting database configured (AccountingStorageType=$storage, AccountingStorageEnforce=${enforce:-none})"
 has_tool sacctmgr \
-  || die "sacctmgr is not installed on the controller although slurmAccounting=true; HyperPod installs it with Slurm under /opt/slurm/bin"
+  || die "sacctmgr is not installed on the controller although AccountingStorageType=$storage; HyperPod installs it with Slurm under /opt/slurm/bin"
 
 # sacctmgr talks to slurmdbd, which can come up after slurmctld: wait for it with a bound.
 wait_s=${LIFECYCLE_SLURM_WAIT_S:-300} poll_s=${LIFECYCLE_SLURM_POLL_S:-5}

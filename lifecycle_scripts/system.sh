@@ -9,7 +9,8 @@ node_addresses() {
   hostname -I
 }
 
-# "FSTYPE OPTIONS" of the file system mounted exactly at $1; fails when nothing is mounted there.
+# "FSTYPE OPTIONS" of each file system mounted exactly at $1, one line each, the first mounted
+# first (an automount's autofs line before the file system it mounts); fails when nothing is.
 mount_info() {
   findmnt --noheadings --output FSTYPE,OPTIONS --mountpoint "$1"
 }

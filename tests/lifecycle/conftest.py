@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lifecycle_cluster import Cluster, build_wheel, make_bundle, make_standins
+from lifecycle_cluster import Cluster, build_wheel, container_sources, make_bundle, make_standins
 
 
 @pytest.fixture(scope="session")
@@ -19,11 +19,17 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: build_wheel(dist, name) for name in ("torch", "torch_xla", "torch_neuronx")}
 
 
+@pytest.fixture(scope="session")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Stand-ins of NVIDIA's enroot .debs and pyxis source archive, and the settings naming them."""
+    return container_sources(tmp_path_factory.mktemp("container-sources"))
+
+
 @pytest.fixture
-def make_cluster(tmp_path: Path, standins: Path, wheels: dict[str, Path]):
+def make_cluster(tmp_path: Path, standins: Path, wheels: dict[str, Path], sources: dict[str, str]):
     """Factory: a fresh cluster (own FSx) from a bundle with the given package hash/requirements."""
     def make(name: str = "cluster", **bundle_kwargs) -> Cluster:
         base = tmp_path / name
         bundle_kwargs.setdefault("package_hash", "pkg0001")
-        return Cluster(base, make_bundle(base / "bundle", wheels, **bundle_kwargs), standins)
+        return Cluster(base, make_bundle(base / "bundle", wheels, **bundle_kwargs), standins, sources)
     return make

@@ -5,19 +5,26 @@ for real.
 
 Each node gets its own root filesystem (a temp dir passed as PLATFORM_ROOT) whose `fsx`
 is a symlink to one shared directory, the way every node sees the same FSx for Lustre.
-What HyperPod puts on a node is rebuilt here: the downloaded lifecycle prefix (a copy of
-lifecycle_scripts/ + platform-settings.json + a small training/ package),
-/opt/ml/config/resource_config.json, the AMI's local account files (/etc/passwd, group,
-shadow, gshadow; the users step edits them with the real useradd/groupadd --prefix) and the
-node's Slurm daemon, started by HyperPod before and while OnInitComplete runs (a marker the
-systemctl stand-in reads).
+What HyperPod puts on a node is rebuilt here, each from its source (cited where it is built):
+the downloaded lifecycle prefix (a copy of lifecycle_scripts/ + platform-settings.json + a
+small training/ package), /opt/ml/config/resource_config.json, the AMI's local account files
+(/etc/passwd, group, shadow, gshadow; the users step edits them with the real
+useradd/groupadd --prefix) with the `ssm-user` the SSM agent adds, the controller's Slurm
+config under /opt/slurm/etc (compute and login nodes have none: configless), the node's Slurm
+headers under /opt/slurm/include, its local disks (/proc/mounts, dlami-nvme.service) and no
+enroot or pyxis. HyperPod starts the node's Slurm daemon before, during or after
+OnInitComplete (`Cluster.start_daemon`, node_model.py: a configless slurmd fetches its config
+from the controller, then systemd runs the units that want the daemon).
 
 Commands that only work on a real node are replaced by stand-ins first on PATH (see
 STANDINS); everything else (bash, python3 -m venv, pip, flock, cp, mv, useradd, groupadd, usermod,
-ssh-keygen) is the real thing.
+ssh-keygen, curl, dpkg-deb, tar, make, cc, systemctl --root) is the real thing.
 The training package's requirements name local stand-in wheels called `torch` and
 `torch_xla` and `torch_neuronx`, so the env build runs real venv + pip offline (PIP_NO_INDEX) in seconds and the
 readiness check's production `import torch` / `import torch, torch_xla, torch_neuronx` imports them.
+The container runtime is installed from local stand-ins of NVIDIA's release files
+(`container_sources`: enroot .debs built with dpkg-deb, a pyxis source archive of
+standin_pyxis/), fetched over file:// by the real install logic.
 """
 
 from __future__ import annotations
@@ -28,9 +35,13 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import node_model
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "lifecycle_scripts"
@@ -39,41 +50,105 @@ SCRIPTS = REPO / "lifecycle_scripts"
 STANDINS = {
     # `hostname -I` on a node: its IP addresses. Here: the address the test gives the node.
     "hostname": 'if [ "$1" = "-I" ]; then echo "$STANDIN_NODE_IPS"; else echo standin-host; fi',
-    # `findmnt --mountpoint DIR` on a node: FSx for Lustre mounted at DIR (with flock).
-    # Here: "mounted" when DIR exists (the test creates the node's fsx link or not).
-    "findmnt": 'for a; do dir=$a; done\n[ -d "$dir" ] || exit 1\necho "lustre     rw,relatime,flock,lazystatfs"',
+    # `findmnt --mountpoint DIR` on a node: every file system mounted at DIR, the first mounted
+    # first. FSx mounted with x-systemd.automount, as AWS's own mount_fsx.sh does
+    # (awslabs/awsome-distributed-ai, 1.architectures/5.sagemaker-hyperpod/LifecycleScripts/
+    # base-config/mount_fsx.sh, opts=...,x-systemd.automount,...), lists systemd's autofs line,
+    # then the lustre one. Here: mounted when DIR exists (the test creates the node's fsx link or
+    # not); $PLATFORM_ROOT/run/standin-fsx-mount, when present, replaces the listing.
+    "findmnt": ('for a; do dir=$a; done\n[ -d "$dir" ] || exit 1\n'
+                'if [ -f "$PLATFORM_ROOT/run/standin-fsx-mount" ]; then cat "$PLATFORM_ROOT/run/standin-fsx-mount"; exit 0; fi\n'
+                'echo "autofs     rw,relatime,fd=5,pgrp=1,timeout=0,minproto=5,maxproto=5,direct,pipe_ino=2123"\n'
+                'echo "lustre     rw,relatime,flock,lazystatfs"'),
     # nvidia-smi on a p5: the driver answers with one line per GPU.
     "nvidia-smi": 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-standin-0)"',
     # neuron-ls on a trn1: the Neuron driver answers with its device table.
     "neuron-ls": 'echo "instance-type: trn1.32xlarge (standin)"',
-    # apt-get on a node whose repositories lack the package: `update` works, `install` fails
-    # (tests never install anything on this machine).
-    "apt-get": 'case " $* " in *" install "*) echo "E: Unable to locate package (stand-in)" >&2; exit 100;; esac',
-    # `systemctl is-active UNIT` on a node: prints the unit's state, exit 0 only when it is
-    # "active", else 3 for inactive (systemctl(1)). Here: active once the test (standing for
-    # HyperPod) created $PLATFORM_ROOT/run/standin-units/UNIT.active. Every other verb fails:
+    # apt-get on a node: `update` works; `install` of a local .deb unpacks it into the node's
+    # root (what dpkg does with its files; real dpkg-deb), of a package named in
+    # $STANDIN_APT_AVAILABLE (the AMI's repositories) succeeds, of anything else fails as
+    # apt-get does (exit 100). Tests never install anything on this machine.
+    "apt-get": ('case " $* " in *" install "*) ;; *) exit 0;; esac\n'
+                'after=; for a; do\n'
+                '  if [ -z "$after" ]; then [ "$a" = install ] && after=1; continue; fi\n'
+                '  case $a in -*) continue;; *.deb) dpkg-deb -x "$a" "$PLATFORM_ROOT" || exit 100;'
+                ' echo "Unpacking $(basename "$a") (stand-in)";;\n'
+                '  *) case " $STANDIN_APT_AVAILABLE " in *" $a "*) echo "Setting up $a (stand-in)";;'
+                ' *) echo "E: Unable to locate package $a (stand-in)" >&2; exit 100;; esac;;\n'
+                '  esac\ndone'),
+    # `systemctl` on a node. is-active UNIT: prints the state, exit 0 only when "active", else
+    # 3 (systemctl(1)); here the state is what HyperPod (the test) put in
+    # $PLATFORM_ROOT/run/standin-units/UNIT.{active,activating}, else inactive.
+    # show UNIT --property=...: LoadState/ActiveState/ExecMainStatus from
+    # run/standin-units/UNIT.show (a unit that is not there: LoadState=not-found).
+    # enable/disable/is-enabled: the real systemctl on the node's root (--root), which makes
+    # the [Install] links. daemon-reload: nothing to reload (no manager here).
+    # start --no-block sana-*: queued, run on its own (node_model.py). Every other verb fails:
     # the lifecycle must never start, stop or restart the units HyperPod owns.
-    "systemctl": ('if [ "$1" = is-active ]; then\n  for unit; do :; done\n'
-                  '  if [ -f "$PLATFORM_ROOT/run/standin-units/$unit.active" ]; then echo active; exit 0; fi\n'
-                  '  echo inactive; exit 3\nfi\n'
-                  'echo "systemctl $1: refused by the stand-in (HyperPod owns the node\'s units)" >&2; exit 1'),
-    # `scontrol ping` on a login node: "Slurmctld(primary) at <host> is UP", exit 0, or "... is
-    # DOWN" and exit 1 (what Debian's scontrol 22.05 does against a controller that is not
-    # there). Here: UP once the test created $PLATFORM_ROOT/run/standin-units/slurmctld-reachable.active.
-    # enroot on the HyperPod AMI (installed package): `enroot version` prints its version.
-    "enroot": '[ "$1" = version ] && echo 3.5.0',
-    # srun with pyxis loaded (HyperPod's plugstack.conf registers it): --help lists pyxis's
-    # --container-image option, which is what container_runtime.sh looks for.
-    "srun": ('if [ "$1" = --help ]; then echo "Usage: srun [OPTIONS...]"; '
-             'echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"; exit 0; fi\n'
-             'echo "srun $1: not stood in" >&2; exit 1'),
-    # `scontrol show config` on a node: HyperPod's slurm.conf settings; here PrologFlags only.
-    "scontrol": ('if [ "$1" = show ] && [ "$2" = config ]; then echo "PrologFlags = ${STANDIN_PROLOG_FLAGS-Alloc,Contain}"; exit 0; fi\n'
-                 'if [ "$1" = ping ]; then\n'
-                 '  if [ -f "$PLATFORM_ROOT/run/standin-units/slurmctld-reachable.active" ]; then\n'
-                 '    echo "Slurmctld(primary) at controller-1 is UP"; exit 0\n  fi\n'
-                 '  echo "Slurmctld(primary) at controller-1 is DOWN"; exit 1\nfi\n'
-                 'echo "scontrol $1: not stood in" >&2; exit 1'),
+    "systemctl": ('verb=$1; for unit; do :; done\n'
+                  'case $verb in\n'
+                  '  is-active) m="$PLATFORM_ROOT/run/standin-units/${unit%.service}"\n'
+                  '    if [ -f "$m.active" ]; then echo active; exit 0; fi\n'
+                  '    if [ -f "$m.activating" ]; then echo activating; exit 3; fi\n'
+                  '    echo inactive; exit 3;;\n'
+                  '  show) f="$PLATFORM_ROOT/run/standin-units/${unit%.service}.show"\n'
+                  '    if [ -f "$f" ]; then cat "$f"; else printf "LoadState=not-found\\nActiveState=inactive\\nExecMainStatus=0\\n"; fi;;\n'
+                  '  enable|disable|is-enabled) exec /usr/bin/systemctl --root="$PLATFORM_ROOT" "$@";;\n'
+                  '  daemon-reload) ;;\n'
+                  '  start) case $unit in sana-*) exec python3 "$STANDIN_NODE_MODEL" start-unit "$PLATFORM_ROOT" "$unit";; esac\n'
+                  '    echo "systemctl start $unit: refused by the stand-in (HyperPod owns it)" >&2; exit 1;;\n'
+                  '  *) echo "systemctl $verb: refused by the stand-in (HyperPod owns the node\'s units)" >&2; exit 1;;\n'
+                  'esac'),
+    # `scontrol ping` on a node: "Slurmctld(primary) at <host> is UP", exit 0, or "... is DOWN"
+    # and exit 1 (what Debian's scontrol 22.05 does against a controller that is not there).
+    # Here: UP once the controller's slurmctld runs ($STANDIN_CLUSTER/controller-1/run/
+    # standin-units/slurmctld.active). reconfigure (controller): slurmctld sends the changed
+    # config files to every running slurmd (node_model.py push-config). show config: the
+    # controller's slurm.conf as `Key = value` lines, as scontrol prints it, with HyperPod's
+    # PrologFlags (Alloc,Contain; $STANDIN_PROLOG_FLAGS stands for another), wherever it is asked.
+    "scontrol": ('ctld="$STANDIN_CLUSTER/controller-1"\n'
+                 'case $1 in\n'
+                 '  ping) if [ -f "$ctld/run/standin-units/slurmctld.active" ]; then\n'
+                 '      echo "Slurmctld(primary) at controller-1 is UP"; exit 0; fi\n'
+                 '    echo "Slurmctld(primary) at controller-1 is DOWN"; exit 1;;\n'
+                 '  reconfigure) [ -f "$ctld/run/standin-units/slurmctld.active" ] || { echo "slurm_reconfigure error: Unable to contact slurm controller" >&2; exit 1; }\n'
+                 '    exec python3 "$STANDIN_NODE_MODEL" push-config "$STANDIN_CLUSTER" controller-1;;\n'
+                 '  show) [ "$2" = config ] || exit 1\n'
+                 '    [ -f "$ctld/opt/slurm/etc/slurm.conf" ] && grep -v "^PrologFlags=" "$ctld/opt/slurm/etc/slurm.conf" \\\n'
+                 '      | sed -n "s/^\\([A-Za-z]*\\)=\\(.*\\)/\\1 = \\2/p"\n'
+                 '    echo "PrologFlags = ${STANDIN_PROLOG_FLAGS-Alloc,Contain}";;\n'
+                 '  *) echo "scontrol $1: not stood in" >&2; exit 1;;\n'
+                 'esac'),
+    # sacctmgr talking to the controller's slurmdbd (HyperPod's default MariaDB accounting):
+    # `show cluster|account|assoc ... format=` print matching records, `-i add account|user`
+    # records them, in $PLATFORM_ROOT/run/standin-accounting (the real sacctmgr against a real
+    # slurmdbd is tests/slurm/test_accounting.py).
+    "sacctmgr": ('db="$PLATFORM_ROOT/run/standin-accounting"; touch "$db"\n'
+                 'case " $* " in\n'
+                 '  *" show cluster "*) echo sana-test;;\n'
+                 '  *" show account "*) for a; do case $a in name=*) grep -x "account ${a#name=}" "$db" | cut -d" " -f2;; esac; done;;\n'
+                 '  *" show assoc "*) u=; ac=; for a; do case $a in user=*) u=${a#user=};; account=*) ac=${a#account=};; esac; done\n'
+                 '    grep -x "assoc $u $ac" "$db" | cut -d" " -f2;;\n'
+                 '  *" add account "*) for a; do case $a in name=*) echo "account ${a#name=}" >>"$db";; esac; done;;\n'
+                 '  *" add user "*) u=; ac=; for a; do case $a in name=*) u=${a#name=};; account=*) ac=${a#account=};; esac; done\n'
+                 '    echo "assoc $u $ac" >>"$db";;\n'
+                 '  *) echo "sacctmgr $*: not stood in" >&2; exit 1;;\n'
+                 'esac'),
+    # srun --help on a node lists pyxis's --container-image only when srun loads the plugin:
+    # the plugstack.conf of the config this node uses (configless: the conf-cache; else
+    # /opt/slurm/etc) names a spank_pyxis.so, directly or in an include next to it, that exists
+    # on the node (an `optional` plugin that is missing is skipped, plugstack.conf(5)).
+    "srun": ('[ "$1" = --help ] || { echo "srun $1: not stood in" >&2; exit 1; }\n'
+             'echo "Usage: srun [OPTIONS...]"\n'
+             'conf="$PLATFORM_ROOT/var/spool/slurmd/conf-cache"; [ -f "$conf/slurm.conf" ] || conf="$PLATFORM_ROOT/opt/slurm/etc"\n'
+             'files="$conf/plugstack.conf"\n'
+             'for inc in $(sed -n "s/^ *include *//p" "$conf/plugstack.conf" 2>/dev/null); do\n'
+             '  case $inc in */*) files="$files $PLATFORM_ROOT$inc";; *) files="$files $conf/$inc";; esac; done\n'
+             'for so in $(cat $files 2>/dev/null | sed -n "s/^ *\\(required\\|optional\\) *\\([^ ]*spank_pyxis.so\\).*/\\2/p"); do\n'
+             '  if [ -f "$PLATFORM_ROOT$so" ]; then echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"; break; fi; done'),
+    # The test's clock: the real date, $STANDIN_CLOCK_OFFSET_S seconds later (a test stands
+    # for "10 minutes later" without waiting them).
+    "date": 'exec /bin/date -d "@$(( $(/bin/date +%s) + ${STANDIN_CLOCK_OFFSET_S:-0} ))" "$@"',
 }
 # iptables / ip6tables on a node: the IMDS step's rules (lifecycle_scripts/imds_block.sh). Here a
 # stand-in keeps them per node under $PLATFORM_ROOT/run/standin-netfilter: this machine's own
@@ -88,10 +163,13 @@ _NETFILTER = ('d="$PLATFORM_ROOT/run/standin-netfilter"; mkdir -p "$d"; me=$(bas
               '  *) echo "$me $*: not stood in" >&2; exit 2;; esac')
 STANDINS.update({name: _NETFILTER for name in ("iptables", "ip6tables", "iptables-restore", "ip6tables-restore")})
 
-# What HyperPod brings up on each role (Extended mode): the controller's slurmctld, the compute
-# nodes' slurmd, and on the login node a Slurm client that reaches slurmctld.
-SLURM_DAEMON = {"controller": "slurmctld", "login": "slurmctld-reachable", "gpu": "slurmd", "trn": "slurmd"}
-# The AMI's local accounts before the users step (Ubuntu's default user included).
+# What HyperPod brings up on each role (Extended mode): the controller's slurmctld; slurmd on
+# compute and login nodes (login nodes run a configless slurmd too: hyperpod-mental-model.md,
+# "Runs on login nodes too"), where the login node's readiness is the client reaching slurmctld.
+SLURM_DAEMON = {"controller": "slurmctld", "login": "slurmd", "gpu": "slurmd", "trn": "slurmd"}
+SLURM_READY = {"controller": "slurmctld", "login": "slurmctld-reachable", "gpu": "slurmd", "trn": "slurmd"}
+# The AMI's local accounts before the users step (Ubuntu's default user included). ssm-user is
+# added by `add_ssm_user` with the real useradd.
 BASE_ACCOUNTS = {
     "passwd": "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n"
               "ubuntu:x:1000:1000:Ubuntu:/home/ubuntu:/bin/bash\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
@@ -99,6 +177,26 @@ BASE_ACCOUNTS = {
     "shadow": "root:*:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\nubuntu:!:19000:0:99999:7:::\nnobody:*:19000:0:99999:7:::\n",
     "gshadow": "root:*::\ndaemon:*::\nubuntu:!::\nnogroup:*::\n",
 }
+# The controller's slurm.conf, which HyperPod's cluster agent writes (hyperpod-mental-model.md:
+# "Controller-side SlurmctldParameters=enable_configless lets workers/login fetch this file")
+# with HyperPod's default accounting: "By default, SageMaker HyperPod deploys MariaDB on your
+# cluster's controller instance" (docs.aws.amazon.com/sagemaker/latest/dg/
+# sagemaker-hyperpod-external-accounting-db-slurm.html), i.e. slurmdbd storage.
+CONTROLLER_SLURM_CONF = ("ClusterName=sana-test\nSlurmctldHost=controller-1\nSlurmctldParameters=enable_configless\n"
+                         "AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageEnforce=associations\n"
+                         "PartitionName=gpu Nodes=gpu-[1-2]\nPartitionName=trn Nodes=trn-[1-2]\n")
+# Local disks: the DLAMI mounts the instance-store NVMe at /opt/dlami/nvme from
+# dlami-nvme.service (awsome-distributed-ai utils/install_enroot_pyxis.sh waits for it), and
+# HyperPod the group's secondary EBS volume at /opt/sagemaker; the head nodes (m5) have no
+# instance store.
+MOUNTS = {"gpu": "/dev/nvme1n1 /opt/dlami/nvme ext4 rw 0 0\n/dev/nvme2n1 /opt/sagemaker xfs rw 0 0\n",
+          "trn": "/dev/nvme1n1 /opt/dlami/nvme ext4 rw 0 0\n/dev/nvme2n1 /opt/sagemaker xfs rw 0 0\n",
+          "login": "/dev/nvme1n1 /opt/sagemaker xfs rw 0 0\n", "controller": "/dev/nvme1n1 /opt/sagemaker xfs rw 0 0\n"}
+DLAMI_NVME_DONE = "LoadState=loaded\nActiveState=active\nExecMainStatus=0\n"
+# What the AMI's apt repositories offer the container step (the packages enroot runs with).
+APT_AVAILABLE = "squashfs-tools parallel fuse-overlayfs squashfuse gcc make libc6-dev"
+ENROOT_VERSION = "3.4.1"  # lifecycle_scripts/container_runtime.sh
+STANDIN_DIR = Path(__file__).resolve().parent
 USERS = {"researcher": 2001, "analyst": 2002}
 SSHD_PAM = ("# PAM configuration for the Secure Shell service\n@include common-auth\naccount    required     pam_nologin.so\n"
             "@include common-account\nsession [success=ok ignore=ignore module_unknown=ignore default=bad] pam_selinux.so close\n"
@@ -133,6 +231,7 @@ def settings(package_hash: str) -> dict:
         "cluster_users": [{"name": name, "uid": uid} for name, uid in USERS.items()],
         "home_root": "/fsx/home",
         "slurm_accounting": False,
+        "container_runtime": True,
     }
 
 
@@ -154,7 +253,8 @@ def make_standins(bin_dir: Path) -> Path:
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name, body in STANDINS.items():
         path = bin_dir / name
-        path.write_text(f'#!/bin/sh\n[ -n "$STANDIN_LOG" ] && echo "{name} $*" >>"$STANDIN_LOG"\n{body}\n')
+        record = "" if name == "date" else f'[ -n "$STANDIN_LOG" ] && echo "{name} $*" >>"$STANDIN_LOG"\n'
+        path.write_text(f"#!/bin/sh\n{record}{body}\n")
         path.chmod(0o755)
     real_python = Path(os.path.realpath(sys.executable))
     for name in ("python3", "python3.11"):
@@ -173,6 +273,44 @@ def build_wheel(dist: Path, name: str) -> Path:
                                     "Tag: py3-none-any\n")
         z.writestr(f"{info}/RECORD", f"{name}/__init__.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
     return wheel
+
+
+def build_deb(dist: Path, package: str, version: str, files: dict[str, tuple[str, int]]) -> Path:
+    """A Debian package built with the real dpkg-deb (what NVIDIA's enroot releases are)."""
+    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
+    tree = dist / f"{package}-tree"
+    (tree / "DEBIAN").mkdir(parents=True)
+    (tree / "DEBIAN/control").write_text(f"Package: {package}\nVersion: {version}\nArchitecture: {arch}\n"
+                                         f"Maintainer: sana tests <tests@example.invalid>\n"
+                                         f"Description: stand-in for NVIDIA's {package} (tests/lifecycle)\n")
+    for path, (text, mode) in files.items():
+        (tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (tree / path).write_text(text)
+        (tree / path).chmod(mode)
+    deb = dist / f"{package}_{version}_{arch}.deb"
+    subprocess.run(["dpkg-deb", "--root-owner-group", "--build", str(tree), str(deb)], check=True, capture_output=True)
+    shutil.rmtree(tree)
+    return deb
+
+
+def container_sources(dist: Path) -> dict[str, str]:
+    """Local stand-ins for what container_runtime.sh downloads, laid out as NVIDIA publishes
+    them: enroot_<v>-1_<arch>.deb and enroot+caps_<v>-1_<arch>.deb in one release directory
+    (github.com/NVIDIA/enroot/releases/download/v<v>/), the pyxis source as a tag archive with
+    one top directory (github.com/NVIDIA/pyxis/archive/refs/tags/v<v>.tar.gz). Returns the
+    LIFECYCLE_* settings that point the step at them."""
+    release = dist / "enroot-release"
+    release.mkdir(parents=True)
+    version = f"{ENROOT_VERSION}-1"
+    build_deb(release, "enroot", version, {
+        "usr/bin/enroot": (f'#!/bin/sh\n# stand-in for NVIDIA enroot\n[ "$1" = version ] && echo {ENROOT_VERSION}\n', 0o755),
+        "etc/enroot/enroot.conf": ("#ENROOT_RUNTIME_PATH /run/enroot/user-$(id -u)\n", 0o644)})
+    build_deb(release, "enroot+caps", version, {"usr/share/doc/enroot+caps/README": ("stand-in\n", 0o644)})
+    archive = dist / "pyxis-v0.19.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted((STANDIN_DIR / "standin_pyxis").iterdir()):
+            tar.add(path, arcname=f"pyxis-0.19.0/{path.name}")
+    return {"LIFECYCLE_ENROOT_RELEASE_URL": release.as_uri(), "LIFECYCLE_PYXIS_SOURCE_URL": archive.as_uri()}
 
 
 def make_bundle(dest: Path, wheels: dict[str, Path], *, package_hash: str,
@@ -227,6 +365,8 @@ class Cluster:
     base: Path
     bundle: Path
     standins: Path
+    #: LIFECYCLE_* settings pointing the containers step at local release files
+    sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def fsx(self) -> Path:
@@ -237,11 +377,14 @@ class Cluster:
 
     def prepare(self, node: str, *, fsx: bool = True, slurm: bool = True) -> Path:
         """The node's root filesystem: FSx (if mounted), HyperPod's resource config, the AMI's
-        account files (kept across re-runs) and, if `slurm`, the role's running Slurm daemon."""
+        account files (kept across re-runs), Slurm's files, the local disks and, if `slurm`,
+        the role's running Slurm daemon."""
         root = self.root(node)
+        role = NODES.get(node, ("gpu", ""))[0]
         (root / "opt/ml/config").mkdir(parents=True, exist_ok=True)
         (root / "opt/ml/config/resource_config.json").write_text(json.dumps(resource_config()))
         (root / "etc").mkdir(exist_ok=True)
+        fresh = not (root / "etc/passwd").exists()
         for name, text in BASE_ACCOUNTS.items():
             if not (root / "etc" / name).exists():
                 (root / "etc" / name).write_text(text)
@@ -249,23 +392,58 @@ class Cluster:
         (root / "etc/pam.d").mkdir(parents=True, exist_ok=True)
         if not (root / "etc/pam.d/sshd").exists():
             (root / "etc/pam.d/sshd").write_text(SSHD_PAM)
-        # The AMI registers pyxis with Slurm (awsome-distributed-ai base-config
-        # utils/install_enroot_pyxis.sh checks for exactly this line), daemon up or not.
-        (root / "opt/slurm/etc").mkdir(parents=True, exist_ok=True)
-        (root / "opt/slurm/etc/plugstack.conf").write_text("required /opt/slurm/lib/slurm/spank_pyxis.so\n")
-        if slurm:
-            self.start_daemon(node)
+        if fresh:
+            add_ssm_user(root)
+        # HyperPod installs Slurm under /opt/slurm with its headers (the reference builds pyxis
+        # with CPPFLAGS='-I /opt/slurm/include/', utils/install_enroot_pyxis.sh); a config only
+        # on the controller (compute and login nodes are configless).
+        if not (root / "opt/slurm/include").exists():
+            shutil.copytree(STANDIN_DIR / "standin_slurm_include", root / "opt/slurm/include")
+        if role == "controller":
+            self._controller_config()
+        (root / "proc").mkdir(exist_ok=True)
+        (root / "proc/mounts").write_text(MOUNTS[role])
+        units = root / node_model.MARKERS
+        units.mkdir(parents=True, exist_ok=True)
+        if role in ("gpu", "trn"):
+            (units / "dlami-nvme.show").write_text(DLAMI_NVME_DONE)
         self.fsx.mkdir(exist_ok=True)
         if fsx and not (root / "fsx").exists():
             (root / "fsx").symlink_to(self.fsx)
+        if slurm:
+            self.start_daemon(node)
         return root
 
-    def start_daemon(self, node: str) -> None:
-        """What HyperPod does in Extended mode: the role's Slurm daemon runs (or, on the login
-        node, slurmctld answers)."""
-        units = self.root(node) / "run/standin-units"
-        units.mkdir(parents=True, exist_ok=True)
-        (units / f"{SLURM_DAEMON[NODES.get(node, ('gpu', ''))[0]]}.active").touch()
+    def _controller_config(self) -> None:
+        etc = self.root("controller-1") / node_model.SLURM_ETC
+        etc.mkdir(parents=True, exist_ok=True)
+        if not (etc / "slurm.conf").exists():
+            (etc / "slurm.conf").write_text(CONTROLLER_SLURM_CONF)
+
+    def start_daemon(self, node: str, **overrides: str) -> None:
+        """What HyperPod does in Extended mode: the role's Slurm daemon starts (a slurmd needs
+        the controller's slurmctld: it fetches its config from there), and systemd runs the
+        units that want it (node_model.start_daemon)."""
+        role = NODES.get(node, ("gpu", ""))[0]
+        ctld = self.root("controller-1")
+        if role != "controller" and not (ctld / node_model.MARKERS / "slurmctld.active").exists():
+            self._controller_config()
+            (ctld / node_model.MARKERS).mkdir(parents=True, exist_ok=True)
+            (ctld / node_model.MARKERS / "slurmctld.active").touch()
+        node_model.start_daemon(self.root(node), f"{SLURM_DAEMON[role]}.service", self.env(node, **overrides),
+                                controller_root=ctld)
+
+    def wait_late_check(self, node: str, timeout: float = 180) -> int:
+        """Until sana-node-ready.service (queued with --no-block) has finished; its exit status."""
+        result = self.root(node) / node_model.MARKERS / "sana-node-ready.service.result"
+        deadline = time.monotonic() + timeout
+        while not result.exists():
+            assert time.monotonic() < deadline, f"{node}: sana-node-ready.service did not finish in {timeout}s"
+            time.sleep(0.2)
+        return int(result.read_text())
+
+    def status(self, node: str) -> list[str]:
+        return (self.fsx / f"logs/provision/{node}.status").read_text().splitlines()
 
     def accounts(self, node: str, name: str = "passwd") -> list[list[str]]:
         """The node's /etc/passwd (or group) entries, split into fields."""
@@ -273,24 +451,32 @@ class Cluster:
 
     def env(self, node: str, **overrides: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("PIP_", "SANA_", "LIFECYCLE_")) and k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+               if not k.startswith(("PIP_", "SANA_", "LIFECYCLE_", "SLURM_")) and k not in ("VIRTUAL_ENV", "PYTHONPATH")}
         env.update(
             PATH=f"{self.standins}:{env['PATH']}",
             PLATFORM_ROOT=str(self.root(node)),
             STANDIN_NODE_IPS=f"{NODES.get(node, ('', '10.9.9.9'))[1]} 172.17.0.1",
             STANDIN_LOG=str(self.root(node) / "standin-calls.log"),
+            STANDIN_CLUSTER=str(self.base / "nodes"),
+            STANDIN_NODE_MODEL=str(STANDIN_DIR / "node_model.py"),
+            STANDIN_APT_AVAILABLE=APT_AVAILABLE,
             # pip offline with no user/global pip config: the stand-in wheels are local files.
             PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, PIP_NO_CACHE_DIR="1",
             LIFECYCLE_FSX_WAIT_S="60", LIFECYCLE_FSX_POLL_S="1", LIFECYCLE_ENV_LOCK_TIMEOUT_S="180",
             LIFECYCLE_SLURM_WAIT_S="30", LIFECYCLE_SLURM_POLL_S="1",
+            LIFECYCLE_NVME_WAIT_S="10", LIFECYCLE_NVME_POLL_S="1",
+            # A lone node has no controller registering pyxis; the six-node boot sets more.
+            LIFECYCLE_PYXIS_WAIT_S="2",
             # The production wait for CloudWatch after a failure (60 s) has its own test.
             LIFECYCLE_FAILURE_LOG_WAIT_S="0",
+            **self.sources,
         )
         env.update(overrides)
         return env
 
     def start(self, node: str, *, fsx: bool = True, slurm: bool = True, **overrides: str) -> subprocess.Popen:
         self.prepare(node, fsx=fsx, slurm=slurm)
+        (self.root(node) / node_model.MARKERS / "sana-node-ready.service.result").unlink(missing_ok=True)
         return subprocess.Popen(["bash", str(self.bundle / "on_init_complete.sh")], env=self.env(node, **overrides),
                                 cwd=self.bundle, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -306,3 +492,12 @@ class Cluster:
         """Every 'building env' line in every node's log (one per env build started)."""
         return [line for node in NODES if (self.root(node) / "var/log/provision/provisioning.log").exists()
                 for line in self.log(node).splitlines() if "building env" in line]
+
+
+def add_ssm_user(root: Path) -> None:
+    """The SSM agent's ssm-user: "SSM Agent will create a local user 'ssm-user' ... every time
+    the agent starts" (aws/amazon-ssm-agent release 2.3.68.0), before any lifecycle script, with
+    useradd's defaults: the next free UID (useradd(8): "the smallest ID value greater than or
+    equal to UID_MIN and greater than every other user"), here the real useradd."""
+    subprocess.run(["useradd", "--prefix", str(root), "--create-home", "--shell", "/bin/bash", "ssm-user"],
+                   check=True, capture_output=True)
