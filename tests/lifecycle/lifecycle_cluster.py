@@ -451,7 +451,7 @@ class Cluster:
 
     def env(self, node: str, **overrides: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("PIP_", "SANA_", "LIFECYCLE_", "SLURM_")) and k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+               if not k.startswith(("PIP_", "SANA_", "LIFECYCLE_")) and k not in ("VIRTUAL_ENV", "PYTHONPATH")}
         env.update(
             PATH=f"{self.standins}:{env['PATH']}",
             PLATFORM_ROOT=str(self.root(node)),

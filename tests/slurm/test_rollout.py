@@ -22,6 +22,7 @@ from lifecycle_cluster import (  # noqa: E402
     Cluster,
     build_wheel,
     bundle_hash,
+    container_sources,
     make_bundle,
     make_standins,
     settings,
@@ -44,7 +45,7 @@ def pretend(tmp_path: Path) -> tuple[Cluster, dict[str, Path]]:
     standins = make_standins(tmp_path / "standin-bin")
     wheels = {name: build_wheel(tmp_path, name) for name in ("torch", "torch_xla", "torch_neuronx")}
     c = Cluster(tmp_path / "cluster", make_bundle(tmp_path / "cluster/bundle", wheels, package_hash="pkg0001"),
-                standins)
+                standins, container_sources(tmp_path / "container-sources"))
     procs = [c.start(node) for node in ("gpu-1", "trn-1")]
     for proc in procs:
         out, _ = proc.communicate(timeout=300)
