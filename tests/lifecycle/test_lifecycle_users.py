@@ -92,11 +92,14 @@ def test_rerun_never_follows_a_users_symlinks_as_root(make_cluster):
     (lambda d: d["cluster_users"].append({"name": "other", "uid": 2001}), "cluster_users[2]: UID 2001 appears twice"),
     (lambda d: d["cluster_users"].append({"name": "analyst", "uid": 2005}), "user name 'analyst' appears twice"),
     (lambda d: d["cluster_users"].__setitem__(0, {"name": "researcher", "uid": 999}),
-     "key 'cluster_users[0].uid' must be an integer in 1000..59999"),
+     "key 'cluster_users[0].uid' must be an integer in 2000..59999"),
+    # ssm-user's UID on these nodes (the SSM agent took the next one after ubuntu).
+    (lambda d: d["cluster_users"].__setitem__(0, {"name": "researcher", "uid": 1001}),
+     "key 'cluster_users[0].uid' must be an integer in 2000..59999 (regular accounts above the node's own), got 1001"),
     (lambda d: d["cluster_users"].__setitem__(0, {"name": "Bad Name", "uid": 2001}),
      "key 'cluster_users[0].name' must be a POSIX user/group name"),
     (lambda d: d.__setitem__("cluster_users", []), "key 'cluster_users' must be a non-empty list"),
-    (lambda d: d["cluster_group"].__setitem__("gid", 65534), "key 'cluster_group.gid' must be an integer in 1000..59999"),
+    (lambda d: d["cluster_group"].__setitem__("gid", 65534), "key 'cluster_group.gid' must be an integer in 2000..59999"),
     (lambda d: d.__setitem__("home_root", "/home"), "key 'home_root' must be under fsx_mount /fsx"),
     (lambda d: d.__setitem__("slurm_accounting", "yes"), "key 'slurm_accounting' must be true or false"),
     (lambda d: d.pop("cluster_group"), "key 'cluster_group' is missing"),
@@ -110,7 +113,7 @@ def test_bad_user_settings_fail_in_the_settings_step(make_cluster, edit, expecte
     step, cause = failure(c.run("controller-1"))
     assert step == "settings" and expected in cause and str(settings) in cause, cause
     assert "FAILED" not in (c.root("controller-1") / "etc/passwd").read_text()
-    assert [e[0] for e in c.accounts("controller-1")] == ["root", "daemon", "ubuntu", "nobody"]
+    assert [e[0] for e in c.accounts("controller-1")] == ["root", "daemon", "ubuntu", "nobody", "ssm-user"]
 
 
 def test_rerun_from_the_installed_package_adds_a_new_user_on_a_running_node(make_cluster):
@@ -125,5 +128,5 @@ def test_rerun_from_the_installed_package_adds_a_new_user_on_a_running_node(make
     result = subprocess.run(["bash", str(lifecycle / "on_init_complete.sh")], env=c.env("login-1"),
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "created user carol (2003)" in result.stdout and "READY node=login-1" in result.stdout
+    assert "created user carol (2003)" in result.stdout and "DONE node=login-1" in result.stdout
     assert ["carol", "x", "2003", str(GROUP[1]), "", "/fsx/home/carol", "/bin/bash"] in c.accounts("login-1")
