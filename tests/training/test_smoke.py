@@ -20,12 +20,13 @@ import boto3
 import pytest
 
 from tests.conftest import xla_python
-from training.smoke import FAIL, PASS, SKIP, Row, checks, exit_code, render
+from training.smoke import FAIL, PASS, SKIP, WARN, Row, checks, exit_code, render
 from training.smoke.parse import (
     NodeState,
     nccl_network,
     neuron_pins,
     parse_sinfo,
+    parse_status_file,
     parse_status_line,
     version_matches,
     version_skew,
@@ -150,23 +151,30 @@ def test_allreduce_worker_over_gloo_with_two_processes():
 # --------------------------------------------------------------------------- node status files
 
 def _status_format(script: str, verdict: str) -> str:
-    """The printf format the lifecycle script writes the status file with (read from it, so
-    a change there breaks these tests instead of silently changing what is parsed)."""
+    """The printf format the lifecycle script writes the status line with (read from it, so
+    a change there breaks these tests instead of silently changing what is parsed). status.sh
+    writes READY and PENDING lines with one format (the verdict is its second %s)."""
     text = (REPO / "lifecycle_scripts" / script).read_text()
-    match = re.search(rf"printf '(%s {verdict} node=[^']*)\\n'", text)
+    word = "%s" if verdict in ("READY", "PENDING") else verdict
+    match = re.search(rf"printf '(%s {word} node=[^']*)\\n'", text)
     assert match, f"no {verdict} status printf in lifecycle_scripts/{script}"
-    return match.group(1)
+    return match.group(1).replace("%s %s node=", f"%s {verdict} node=", 1)
 
 
 def status_line(verdict: str, *values: str) -> str:
-    script = "readiness.sh" if verdict == "READY" else "on_init_complete.sh"
+    script = "on_init_complete.sh" if verdict == "FAILED" else "status.sh"
     fmt = _status_format(script, verdict)
     assert fmt.count("%s") == len(values), fmt
     return fmt.replace("%s", "{}").format(*values) + "\n"
 
 
 def ready(node: str, ip: str) -> str:
-    return status_line("READY", "2026-12-01T07:00:00Z", node, "gpu", "gpu", ip, "3f2a9c", "fsx=ok gpu=ok env=/fsx/envs/gpu")
+    return status_line("READY", "2026-12-01T07:00:00Z", node, "gpu", "gpu", ip, "3f2a9c",
+                       "fsx=ok gpu=ok env=/fsx/envs/gpu slurm=slurmd slurm_wait=0s")
+
+
+def warn(node: str, part: str, cause: str) -> str:
+    return status_line("WARN", "2026-12-01T07:00:00Z", node, part, cause)
 
 
 def test_status_lines_parse_in_the_lifecycle_format():
@@ -189,6 +197,50 @@ def test_node_status_row_fails_on_a_failed_node_quoting_step_and_cause(tmp_path)
     assert row.detail == "trn-2 FAILED at step fsx: /fsx is not mounted after 600s"
     (tmp_path / "trn-2.status").unlink()
     assert checks.node_status_row(tmp_path, nodes).verdict == PASS  # matched by address
+
+
+def test_warn_lines_become_warn_rows_and_the_job_still_passes(tmp_path):
+    """An optional part that does not work on a node (status.sh WARN lines): one WARN row each."""
+    (tmp_path / "gpu-1.status").write_text(
+        ready("gpu-1", "10.1.0.11")
+        + warn("gpu-1", "containers", "cannot download https://github.com/NVIDIA/enroot/releases/x.deb (curl exit 6)"))
+    (tmp_path / "controller-1.status").write_text(
+        status_line("READY", "2026-12-01T07:00:00Z", "controller-1", "controller", "controller", "10.1.0.10",
+                    "3f2a9c", "fsx=ok slurm=slurmctld slurm_wait=0s")
+        + warn("controller-1", "accounts", "slurmdbd does not answer sacctmgr after 300s"))
+    nodes = {"gpu-1": {"gpu-1", "10.1.0.11"}}
+    status = checks.node_status_row(tmp_path, nodes)
+    assert status.verdict == PASS and status.detail == "2 node(s) READY (1 Slurm node(s) matched)"
+    rows = checks.node_warning_rows(tmp_path)
+    assert [(r.check, r.verdict, r.detail) for r in rows] == [
+        ("node-warning", WARN, "controller-1 accounts: slurmdbd does not answer sacctmgr after 300s"),
+        ("node-warning", WARN, "gpu-1 containers: cannot download https://github.com/NVIDIA/enroot/releases/x.deb "
+                               "(curl exit 6)")]
+    table = render([status, *rows])
+    assert re.search(r"^node-warning +WARN +gpu-1 containers: cannot download", table, re.M), table
+    assert table.splitlines()[-1] == "SMOKE PASS: 1 passed, 0 failed, 0 skipped, 2 warnings"
+    assert exit_code([status, *rows]) == 0
+
+
+def test_a_node_still_pending_fails_the_status_row_naming_the_late_check(tmp_path):
+    (tmp_path / "gpu-1.status").write_text(status_line(
+        "PENDING", "2026-12-01T07:00:00Z", "gpu-1", "gpu", "gpu", "10.1.0.11", "3f2a9c",
+        "fsx=ok gpu=ok env=/fsx/envs/gpu slurm=waiting-for-slurmd cause=slurmd is not active on this node 300s after "
+        "slurmd.service started (failed)"))
+    row = checks.node_status_row(tmp_path, {"gpu-1": {"gpu-1", "10.1.0.11"}})
+    assert row.verdict == FAIL
+    assert row.detail.startswith("gpu-1 PENDING: provisioned, but sana-node-ready.service has not recorded its Slurm "
+                                 "daemon up (slurmd is not active on this node 300s after slurmd.service started "
+                                 "(failed)); `systemctl status sana-node-ready` on it; no READY status for Slurm node(s) gpu-1")
+
+
+def test_the_status_files_the_pretend_cluster_writes_parse():
+    """Lines exactly as lifecycle_scripts/status.sh prints them, with its WARN lines."""
+    text = ready("trn-1", "10.1.2.1") + warn("trn-1", "containers", "pyxis is not registered in /x (...) after 300s")
+    s = parse_status_file(text, "/fsx/logs/provision/trn-1.status")
+    assert (s.verdict, s.fields["slurm"], s.fields["slurm_wait"]) == ("READY", "slurmd", "0s")
+    assert s.warnings == (("containers", "pyxis is not registered in /x (...) after 300s"),)
+    assert parse_status_file(text + "garbage\n").verdict == "INVALID"
 
 
 def test_node_status_row_fails_when_a_slurm_node_never_reported_ready(tmp_path):
@@ -326,6 +378,9 @@ def test_fsx_row_requires_lustre_with_flock(tmp_path):
     assert checks.fsx_row(fsx, fsx / "logs" / "smoke-1", mounts=mounts).verdict == PASS
     local = checks.fsx_row(fsx, fsx / "logs" / "smoke-1", mounts=mounts.replace("flock,", "localflock,"))
     assert local.verdict == FAIL and "remount with -o flock" in local.detail
+    # x-systemd.automount: systemd's autofs entry first, the lustre one mounted over it.
+    automount = f"/dev/root / ext4 rw 0 0\nsystemd-1 {fsx} autofs rw,relatime,fd=5,direct 0 0\n" + mounts.split("\n", 1)[1]
+    assert checks.fsx_row(fsx, fsx / "logs" / "smoke-2", mounts=automount).verdict == PASS
     ext4 = checks.fsx_row(fsx, fsx / "logs" / "smoke-1", mounts="/dev/root / ext4 rw 0 0\n")
     assert ext4.verdict == FAIL and "not an FSx for Lustre mount" in ext4.detail
     assert checks.fsx_row(fsx, fsx / "logs" / "smoke-1", require_lustre=False,

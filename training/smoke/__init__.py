@@ -16,21 +16,22 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
+PASS, FAIL, SKIP, WARN = "PASS", "FAIL", "SKIP", "WARN"
 
 
 @dataclass(frozen=True)
 class Row:
     """One line of the smoke table. ``detail`` is ONE line: on FAIL it names what is wrong
-    and what to do (runbooks/deploy.md lists every FAIL line)."""
+    and what to do (runbooks/deploy.md lists every FAIL line). WARN: an optional part that does
+    not work (a node's container runtime, its accounting association); the job still passes."""
 
     check: str
     verdict: str
     detail: str
 
     def __post_init__(self) -> None:
-        if self.verdict not in (PASS, FAIL, SKIP):
-            raise ValueError(f"verdict {self.verdict!r}: use PASS, FAIL or SKIP")
+        if self.verdict not in (PASS, FAIL, SKIP, WARN):
+            raise ValueError(f"verdict {self.verdict!r}: use PASS, FAIL, SKIP or WARN")
         object.__setattr__(self, "detail", " ".join(self.detail.split()))
 
 
@@ -42,8 +43,9 @@ def render(rows: Iterable[Row]) -> str:
     lines += [f"{r.check:<{width}}  {r.verdict:<6}  {r.detail}" for r in rows]
     failed = sum(r.verdict == FAIL for r in rows)
     skipped = sum(r.verdict == SKIP for r in rows)
-    lines.append(f"SMOKE {'FAIL' if failed else 'PASS'}: {len(rows) - failed - skipped} passed, "
-                 f"{failed} failed, {skipped} skipped")
+    warned = sum(r.verdict == WARN for r in rows)
+    lines.append(f"SMOKE {'FAIL' if failed else 'PASS'}: {len(rows) - failed - skipped - warned} passed, "
+                 f"{failed} failed, {skipped} skipped" + (f", {warned} warnings" if warned else ""))
     return "\n".join(lines)
 
 

@@ -186,6 +186,7 @@ def run(local: bool) -> int:
         rows.append(Row("slurm-nodes", FAIL, f"cannot list nodes: {exc}"))
     rows += _guard("node-status", lambda: checks.node_status_row(cfg.fsx / "logs" / "provision",
                                                                   checks.node_addresses()))
+    rows += _guard("node-warning", checks.node_warning_rows, cfg.fsx / "logs" / "provision")
     rows += _guard("fsx", lambda: checks.fsx_row(cfg.fsx, cfg.log_dir, require_lustre=not local))
     key = f"smoke/{cfg.cluster}/{os.environ['SLURM_JOB_ID']}-{_host()}.probe"
     rows += _guard("imds", lambda: checks.imds_row(local=local))

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.smoke import FAIL, PASS, SKIP, Row
+from training.smoke import FAIL, PASS, SKIP, WARN, Row
 from training.smoke.allreduce import MARKER as ALLREDUCE_MARKER
 from training.smoke.parse import (
     NEURON_ONLY,
@@ -105,7 +105,8 @@ def node_addresses() -> dict[str, set[str]]:
 
 def node_status_row(status_dir: Path, nodes: dict[str, set[str]]) -> Row:
     """Every node's lifecycle status: a FAILED file (any node, controller and login too) is a
-    FAIL quoting its step and cause; a Slurm node with no READY file is a FAIL."""
+    FAIL quoting its step and cause, so is a node still PENDING (its late check never saw
+    Slurm up); a Slurm node with no READY file is a FAIL."""
     if not status_dir.is_dir():
         return Row("node-status", FAIL, f"{status_dir} does not exist: the lifecycle scripts never ran "
                    "their readiness step on FSx (runbooks/node-boot.md)")
@@ -115,8 +116,12 @@ def node_status_row(status_dir: Path, nodes: dict[str, set[str]]) -> Row:
         if s.verdict == "FAILED":
             problems.append(f"{s.node} FAILED at step {s.fields.get('step', '?')}: "
                             f"{s.fields.get('cause', 'no cause recorded')}")
+        elif s.verdict == "PENDING":
+            problems.append(f"{s.node} PENDING: provisioned, but sana-node-ready.service has not recorded its Slurm "
+                            f"daemon up ({s.fields.get('cause') or s.fields.get('slurm', '?')}); "
+                            "`systemctl status sana-node-ready` on it")
         elif s.verdict == "INVALID":
-            problems.append(f"{s.path} is not a status line: {s.line[:80]!r}")
+            problems.append(f"{s.path} is not a status file: {s.line[:80]!r}")
     ready = {key for s in statuses if s.verdict == "READY"
              for key in (s.fields.get("node"), s.fields.get("ip")) if key}
     missing = sorted(n for n, keys in nodes.items() if not keys & ready)
@@ -128,10 +133,22 @@ def node_status_row(status_dir: Path, nodes: dict[str, set[str]]) -> Row:
                f"({len(nodes)} Slurm node(s) matched)")
 
 
+def node_warning_rows(status_dir: Path) -> list[Row]:
+    """One WARN row per optional part a node's status file says does not work there (its
+    container runtime, the accounting associations): the job passes, the operator sees it."""
+    if not status_dir.is_dir():
+        return []
+    return [Row("node-warning", WARN, f"{s.node} {part}: {cause}")
+            for s in read_status_dir(status_dir) for part, cause in s.warnings]
+
+
 # --------------------------------------------------------------------------- FSx
 
 def _mount_of(path: Path, mounts: str) -> tuple[str, str, str] | None:
-    """(mount point, fstype, options) of the longest /proc/mounts entry containing ``path``."""
+    """(mount point, fstype, options) of the longest /proc/mounts entry containing ``path``;
+    of several at the same point the last, which is mounted over the others and is what the
+    path resolves to (an automount: systemd's autofs line, then the lustre one; AWS's
+    mount_fsx.sh mounts FSx with x-systemd.automount)."""
     best = None
     target = str(path.resolve())
     for line in mounts.splitlines():
@@ -140,7 +157,7 @@ def _mount_of(path: Path, mounts: str) -> tuple[str, str, str] | None:
             continue
         point = fields[1].replace("\\040", " ")
         if (target == point or target.startswith(point.rstrip("/") + "/")) and \
-                (best is None or len(point) > len(best[0])):
+                (best is None or len(point) >= len(best[0])):
             best = (point, fields[2], fields[3])
     return best
 

@@ -6,6 +6,7 @@ in the formats the real tools write (sources cited at each parser).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,20 +65,26 @@ def parse_sinfo(text: str) -> list[NodeState]:
 
 # --------------------------------------------------------------------------- node status files
 
-# The one-line status file each node writes on FSx, $FSX/logs/provision/<node>.status:
-#   lifecycle_scripts/readiness.sh:  "<ts> READY node=<n> group=<g> role=<r> ip=<ip> package=<h> <k=v ...>"
-#   the entry script's fail():       "<ts> FAILED node=<n> group=<g> role=<r> ip=<ip> step=<s> cause=<text>"
-# (cause= is last and runs to the end of the line; it may hold spaces.)
-_STATUS_RE = re.compile(r"^(?P<ts>\S+) (?P<verdict>READY|FAILED) (?P<rest>.*)$")
+# The status file each node writes on FSx, $FSX/logs/provision/<node>.status (written whole,
+# renamed into place):
+#   lifecycle_scripts/status.sh:  "<ts> READY|PENDING node=<n> group=<g> role=<r> ip=<ip> package=<h> <k=v ...> [cause=<text>]"
+#                                 then one "<ts> WARN node=<n> part=<step> cause=<text>" per optional
+#                                 part that does not work on the node (container runtime, accounting)
+#   the entry script's fail():    "<ts> FAILED node=<n> group=<g> role=<r> ip=<ip> step=<s> cause=<text>"
+# (cause= is last and runs to the end of the line; it may hold spaces.) PENDING: the lifecycle
+# finished, the late check (sana-node-ready.service) has not seen the node's Slurm daemon up.
+_STATUS_RE = re.compile(r"^(?P<ts>\S+) (?P<verdict>READY|PENDING|FAILED|WARN) (?P<rest>.*)$")
 
 
 @dataclass(frozen=True)
 class NodeStatus:
     path: str
-    verdict: str  # READY | FAILED | INVALID
+    verdict: str  # READY | PENDING | FAILED | WARN (one WARN line alone) | INVALID
     fields: dict[str, str] = field(default_factory=dict)
     timestamp: str = ""
     line: str = ""
+    #: (part, cause) of each WARN line that follows the verdict line
+    warnings: tuple[tuple[str, str], ...] = ()
 
     @property
     def node(self) -> str:
@@ -100,13 +107,22 @@ def parse_status_line(line: str, path: str = "") -> NodeStatus:
     return NodeStatus(path, match["verdict"], fields, match["ts"], line)
 
 
+def parse_status_file(text: str, path: str = "") -> NodeStatus:
+    """The verdict line (the first) with the WARN lines after it."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    status = parse_status_line(lines[0] if lines else "", path)
+    warnings = []
+    for line in lines[1:]:
+        warn = parse_status_line(line, path)
+        if warn.verdict != "WARN":
+            return NodeStatus(path, "INVALID", {}, "", line)
+        warnings.append((warn.fields.get("part", "?"), warn.fields.get("cause", "no cause recorded")))
+    return dataclasses.replace(status, warnings=tuple(warnings))
+
+
 def read_status_dir(directory: Path) -> list[NodeStatus]:
-    """Every ``*.status`` file under the provision log dir (the last non-empty line of each)."""
-    statuses = []
-    for path in sorted(directory.glob("*.status")):
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-        statuses.append(parse_status_line(lines[-1] if lines else "", str(path)))
-    return statuses
+    """Every ``*.status`` file under the provision log dir."""
+    return [parse_status_file(path.read_text(errors="replace"), str(path)) for path in sorted(directory.glob("*.status"))]
 
 
 # --------------------------------------------------------------------------- NCCL log
