@@ -49,8 +49,10 @@ require_vars FSX CFG_CLUSTER_GID CFG_CLUSTER_USERS NODE_ROLE CFG_CONTAINER_RUNTI
 
 ENROOT_VERSION=3.4.1
 PYXIS_VERSION=0.19.0
-# pyxis's Makefile: PLUGINDIR = $(DESTDIR)$(prefix)/lib/slurm, prefix ?= /usr/local.
-PYXIS_PLUGIN=/usr/local/lib/slurm/spank_pyxis.so
+# pyxis's Makefile: PLUGINDIR = $(DESTDIR)$(prefix)/lib/slurm, prefix ?= /usr/local (the
+# reference keeps it). LIFECYCLE_PYXIS_PREFIX moves it (tests/slurm: a plugin real Slurm loads).
+PYXIS_PREFIX=${LIFECYCLE_PYXIS_PREFIX:-/usr/local}
+PYXIS_PLUGIN=$PYXIS_PREFIX/lib/slurm/spank_pyxis.so
 SLURM_PREFIX=${PLATFORM_ROOT}/opt/slurm
 SLURM_ETC=${SLURM_ETC:-$SLURM_PREFIX/etc}
 ENROOT_CONF=${PLATFORM_ROOT}/etc/enroot/enroot.conf
@@ -121,7 +123,7 @@ install_pyxis() {
   # would replace them).
   CPPFLAGS="-I $SLURM_PREFIX/include" make -C "$work/pyxis" -j "$(nproc)" \
     || die "building pyxis $PYXIS_VERSION failed (the compiler output above says why)"
-  make -C "$work/pyxis" install prefix=/usr/local DESTDIR="$PLATFORM_ROOT" \
+  make -C "$work/pyxis" install prefix="$PYXIS_PREFIX" DESTDIR="$PLATFORM_ROOT" \
     || die "make install of pyxis $PYXIS_VERSION failed"
   [[ -f $plugin ]] || die "pyxis's make install did not put $PYXIS_PLUGIN in place"
   log "pyxis $PYXIS_VERSION installed at $PYXIS_PLUGIN"

@@ -66,6 +66,8 @@
 #   LIFECYCLE_NVME_WAIT_S           how long the containers step waits for dlami-nvme.service (default 120)
 #   LIFECYCLE_ENROOT_RELEASE_URL    where the enroot .debs are downloaded from (default: NVIDIA's GitHub release)
 #   LIFECYCLE_PYXIS_SOURCE_URL      the pyxis source tarball (default: NVIDIA's GitHub tag archive)
+#   LIFECYCLE_PYXIS_PREFIX          where pyxis is installed and registered from (default /usr/local)
+#   LIFECYCLE_PYXIS_WAIT_S          how long the late check waits for the controller's pyxis line (default 300)
 #   LIFECYCLE_FAILURE_LOG_WAIT_S    seconds to wait after a failure so the log reaches CloudWatch (default 60)
 
 # Started as `sh on_init_complete.sh`? Re-run under bash before anything bash-only.

@@ -7,16 +7,18 @@
 # Debian minbase base image), buildah + podman (the builders, chroot isolation) and
 # squashfs-tools (mksquashfs/unsquashfs with enroot's options); iptables + iproute2: the IMDS
 # test (tests/lifecycle/test_imds_block.py) installs the lifecycle's real iptables rules inside
-# network namespaces of its own (`ip netns`). Skips apt entirely when all are present.
+# network namespaces of its own (`ip netns`); systemd (the lifecycle tests enable the platform's
+# unit with the real `systemctl --root`), make and curl (the containers step builds and downloads
+# its stand-in release files over file://). Skips apt entirely when all are present.
 set -euo pipefail
 
-readonly PACKAGES=(slurm-wlm munge mariadb-server slurmdbd gcc shellcheck mmdebstrap buildah podman squashfs-tools
-  iptables iproute2)
+readonly PACKAGES=(slurm-wlm munge mariadb-server slurmdbd gcc make shellcheck mmdebstrap buildah podman squashfs-tools
+  iptables iproute2 systemd curl)
 
 all_present() {
   local tool
   for tool in slurmctld slurmd munged mariadbd mariadb-install-db slurmdbd sacct shellcheck cc \
-    mmdebstrap buildah podman mksquashfs unsquashfs iptables ip6tables iptables-restore ip; do
+    mmdebstrap buildah podman mksquashfs unsquashfs iptables ip6tables iptables-restore ip make systemctl curl; do
     command -v "$tool" >/dev/null || return 1
   done
 }

@@ -9,6 +9,7 @@ records carry the user who really submitted.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -61,18 +62,24 @@ def test_sacct_reads_the_finished_jobs_back_from_the_database_with_state_and_use
 
 def test_the_accounts_step_adds_the_group_account_and_user_associations_once(slurm_cluster: SlurmCluster,
                                                                              tmp_path: Path) -> None:
-    """lifecycle_scripts/slurm_accounts.sh against the real slurmdbd: the account, one association
-    per cluster user (names lower-cased, as Slurm stores them), a re-run that adds nothing, and a
-    job submitted under the account recorded with it."""
+    """lifecycle_scripts/slurm_accounts.sh against the real slurmdbd, as HyperPod's default
+    accounting (MariaDB on the controller) has it: slurmAccounting is false, the running
+    slurmctld says accounting_storage/slurmdbd, so the account and one association per cluster
+    user are made (names lower-cased, as Slurm stores them), a re-run adds nothing, and a job
+    submitted under the account is recorded with it."""
     if not slurm_cluster.accounting:
         skip_unless_required(slurm_cluster.no_accounting_reason)
     user = slurm_cluster.user
     assert user is not None
     group = f"Sana{os.getpid()}"
-    env = slurm_cluster.env(CFG_CLUSTER_GROUP=group, CFG_SLURM_ACCOUNTING="true", PLATFORM_ROOT=str(tmp_path),
+    env = slurm_cluster.env(CFG_CLUSTER_GROUP=group, CFG_SLURM_ACCOUNTING="false", PLATFORM_ROOT=str(tmp_path),
                             CFG_CLUSTER_USERS=f"{user}:2001 Researcher{os.getpid()}:2002", LIFECYCLE_SLURM_WAIT_S="30")
+    # What the step reads, as this Slurm prints it (the stand-in below prints the same form).
+    config = slurm_cluster.run("scontrol", "show", "config")
+    assert re.search(r"^AccountingStorageType\s+= accounting_storage/slurmdbd$", config, re.M), config
     first = subprocess.run(["bash", str(ACCOUNTS_STEP)], env=env, capture_output=True, text=True, timeout=120)
     assert first.returncode == 0, first.stderr
+    assert "accounting database configured (AccountingStorageType=accounting_storage/slurmdbd" in first.stdout
     account = group.lower()
     assocs = slurm_cluster.run("sacctmgr", "-n", "-P", "show", "assoc", "where", f"account={account}",
                                "format=account,user")
@@ -97,8 +104,29 @@ def test_the_accounts_step_adds_the_group_account_and_user_associations_once(slu
     assert row.splitlines()[-1] == f"{account}|COMPLETED"
 
 
+def scontrol_standin(tmp_path: Path, body: str) -> str:
+    """A PATH whose scontrol prints ``body`` for `show config` (the real form is pinned above)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\n{body}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    return f"{bin_dir}:/usr/bin:/bin"
+
+
 def test_the_accounts_step_does_nothing_without_accounting(tmp_path: Path) -> None:
-    env = {"PATH": "/usr/bin:/bin", "CFG_CLUSTER_GROUP": "sana", "CFG_SLURM_ACCOUNTING": "false",
+    path = scontrol_standin(tmp_path, 'echo "AccountingStorageType   = accounting_storage/none"')
+    env = {"PATH": path, "CFG_CLUSTER_GROUP": "sana", "CFG_SLURM_ACCOUNTING": "true",
            "CFG_CLUSTER_USERS": "alice:2001", "PLATFORM_ROOT": str(tmp_path)}
     done = subprocess.run(["bash", str(ACCOUNTS_STEP)], env=env, capture_output=True, text=True, timeout=30)
-    assert done.returncode == 0 and "Slurm accounting is off" in done.stdout
+    assert done.returncode == 0, done.stderr
+    assert "no accounting database (AccountingStorageType=accounting_storage/none)" in done.stdout
+
+
+def test_the_accounts_step_says_in_one_line_when_slurmctld_does_not_answer(tmp_path: Path) -> None:
+    path = scontrol_standin(tmp_path, 'echo "slurm_load_ctl_conf error: Unable to contact slurm controller" >&2; exit 1')
+    error = tmp_path / "error"
+    env = {"PATH": path, "CFG_CLUSTER_GROUP": "sana", "PLATFORM_ROOT": str(tmp_path), "STEP_ERROR_FILE": str(error)}
+    done = subprocess.run(["bash", str(ACCOUNTS_STEP)], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1
+    assert error.read_text() == ("scontrol show config failed on the controller (slurm_load_ctl_conf error: Unable to "
+                                 "contact slurm controller); cannot tell whether accounting is configured\n")

@@ -12,6 +12,14 @@ static int remember(int val, const char *optarg, int remote) {
     return 0;
 }
 
+/* Slurm loads a SPANK plugin only if it exports at least one slurm_spank_* callback. */
+int slurm_spank_init(spank_t sp, int ac, char **av) {
+    (void)sp;
+    (void)ac;
+    (void)av;
+    return 0;
+}
+
 struct spank_option spank_options[] = {
     {"container-image", "[USER@][REGISTRY#]IMAGE[:TAG]|PATH", "[pyxis stand-in] the image to run the job in", 1, 0,
      remember},
