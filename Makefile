@@ -74,15 +74,15 @@ serve-smoke: ## on an inf2/trn host: compile a tiny Sana for Neuron, serve and t
 	$(PY) -m training.serve.smoke
 
 # Training images (runbooks/containers.md). IMAGE=gpu|neuron; BASE=<image> overrides the
-# Dockerfile's base; EFA=0 skips the GPU image's EFA stage; the builder is detected (docker with
+# Dockerfile's base; EFA=1 reinstalls EFA over the GPU base's (default: the DLC's matched stack, kept); the builder is detected (docker with
 # a daemon, podman, buildah) or SANA_IMAGE_BUILDER. Tag: <package hash>-<recipe hash>.
 IMAGE ?= gpu
-image: $(STAMPS)/venv ## build the training image (IMAGE=gpu|neuron, BASE=..., EFA=0) with docker/podman/buildah
-	$(PY) -m containers.image build $(IMAGE) $(if $(BASE),--base $(BASE)) $(if $(filter 0,$(EFA)),--no-efa)
+image: $(STAMPS)/venv ## build the training image (IMAGE=gpu|neuron, BASE=..., EFA=1) with docker/podman/buildah
+	$(PY) -m containers.image build $(IMAGE) $(if $(BASE),--base $(BASE)) $(if $(filter 1,$(EFA)),--efa)
 
 push-image: $(STAMPS)/venv ## push the built image to its ECR repository (REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com)
 	@test -n "$(REGISTRY)" || { echo "make push-image: set REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com (cluster stack output GpuImageRepositoryUri without the path)" >&2; exit 2; }
-	$(PY) -m containers.image push $(IMAGE) --registry $(REGISTRY) $(if $(BASE),--base $(BASE)) $(if $(filter 0,$(EFA)),--no-efa)
+	$(PY) -m containers.image push $(IMAGE) --registry $(REGISTRY) $(if $(BASE),--base $(BASE)) $(if $(filter 1,$(EFA)),--efa)
 
 clean: ## remove build outputs (keeps the virtual envs)
 	rm -rf cdk.out demo-output .pytest_cache

@@ -14,17 +14,31 @@ FROM ${BASE_IMAGE}
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 USER 0
 
-# EFA userspace (libfabric + the aws-ofi-nccl plugin) as awslabs/awsome-distributed-ai
-# micro-benchmarks/nccl-tests/nccl-tests.Dockerfile installs it in a container: no kernel module
-# and no limits file (both belong to the host: --skip-kmod --skip-limit-conf), no verification
-# (no EFA device at build time: --no-verify), -g for GPUDirect RDMA; the sample's -d
-# (--debug-packages, efa_installer.sh usage) is left out, debug symbols only grow the image.
-# Then what breaks NCCL inside a container (awsome-distributed-ai issue #873, same Dockerfile):
-# cuda-compat (the host driver must win, pyxis mounts it) and the bundled HPC-X / MPI whose
-# libraries shadow the EFA-built ones. INSTALL_EFA=0 skips all of it (the CPU test
-# build here, bases that already carry EFA).
-ARG INSTALL_EFA=1
+# The network stack: the DLC already ships EFA, libfabric and the aws-ofi-nccl plugin, built
+# and tested together ("an AWS-tuned, version-MATCHED EFA stack baked in (EFA 1.47.0 ->
+# libfabric 2.4 + aws-ofi-nccl 1.18.0 ...)", awslabs/awsome-distributed-ai
+# 3.test_cases/pytorch/cosmos3/Dockerfile, which keeps it and its LD_LIBRARY_PATH untouched; as
+# does 3.test_cases/pytorch/nvrx/Dockerfile, "AWS PyTorch DLC with EFA support as base"). A
+# reinstall over it can leave NCCL with a plugin it cannot use, and NCCL then falls back to TCP
+# sockets without failing (the smoke job's gpu-allreduce row catches that). So by default
+# nothing is installed here (INSTALL_EFA=0).
+#
+# INSTALL_EFA=1 (`make image EFA=1`: a base without EFA, or a newer EFA than the base's):
+# the EFA installer as awslabs/awsome-distributed-ai micro-benchmarks/nccl-tests/
+# nccl-tests.Dockerfile runs it in a container: no kernel module and no limits file (both
+# belong to the host: --skip-kmod --skip-limit-conf), no verification (no EFA device at build
+# time: --no-verify), -g for GPUDirect RDMA; the sample's -d (--debug-packages) is left out,
+# debug symbols only grow the image. The installer bundles the aws-ofi-nccl plugin matched to its
+# libfabric (that Dockerfile: AWS_OFI_NCCL_VERSION "is ignored as plugin is bundled with EFA"),
+# so the one pin is EFA_INSTALLER_VERSION. Then what breaks NCCL inside a container
+# (awsome-distributed-ai issue #873, same Dockerfile): cuda-compat (the host driver must win,
+# pyxis mounts it) and the bundled HPC-X / MPI whose libraries shadow the EFA-built ones. And
+# that Dockerfile's library path, so NCCL finds the plugin and libfabric first: containers/
+# image.py passes it as EFA_LD_LIBRARY_PATH (ending in ':') only with EFA=1, and it is put in
+# front of the base's LD_LIBRARY_PATH below; with EFA=0 the base's is kept as it is.
+ARG INSTALL_EFA=0
 ARG EFA_INSTALLER_VERSION=1.50.0
+ARG EFA_LD_LIBRARY_PATH=""
 # The installer sources ./env.sh, so it runs from its own directory.
 WORKDIR /tmp/aws-efa-installer
 # curl/ca-certificates are whatever the base distro's release ships (only fetch the installer).
@@ -41,6 +55,7 @@ RUN if [ "${INSTALL_EFA}" = 1 ]; then \
       && rm -rf /var/lib/apt/lists/*; \
     fi \
     && rm -rf /tmp/aws-efa-installer
+ENV LD_LIBRARY_PATH=${EFA_LD_LIBRARY_PATH}${LD_LIBRARY_PATH}
 WORKDIR /opt/sana
 # No FI_*/NCCL_* settings baked in: pyxis hands the job's environment (the node profile's
 # NCCL/EFA settings, lifecycle_scripts/node_profile.sh) into the container unchanged.

@@ -1,7 +1,7 @@
 """Build, tag and push the training images with whatever container builder the machine has.
 
     python -m containers.image tag   gpu|neuron            the tag (package hash + recipe hash)
-    python -m containers.image build gpu|neuron [--base IMAGE] [--no-efa] [--pip-from-host]
+    python -m containers.image build gpu|neuron [--base IMAGE] [--efa] [--pip-from-host]
     python -m containers.image push  gpu|neuron --registry ACCOUNT.dkr.ecr.REGION.amazonaws.com
 
 Why a helper and not a bare ``docker build``: the build context is staged with exactly the files
@@ -80,16 +80,29 @@ def git_revision(repo: Path = REPO) -> str:
     return f"{rev}-dirty" if dirty else rev
 
 
+# Where the EFA installer puts libfabric, the aws-ofi-nccl plugin (no arch subdirectory since
+# EFA 1.48; the others for older installers) and Open MPI: the nccl-tests Dockerfile's
+# LD_LIBRARY_PATH (awslabs/awsome-distributed-ai micro-benchmarks/nccl-tests/nccl-tests.Dockerfile),
+# put in front of the base's with EFA=1 only. Ends in ':' (joined to the base's value).
+EFA_LD_LIBRARY_PATH = ("/opt/amazon/openmpi/lib:/opt/amazon/efa/lib:/opt/amazon/ofi-nccl/lib:"
+                       "/opt/amazon/ofi-nccl/lib/aarch64-linux-gnu:/opt/amazon/ofi-nccl/lib/x86_64-linux-gnu:")
+
+
 @dataclass(frozen=True)
 class BuildOptions:
-    """What changes the image besides the package: the base, EFA, the non-root user's uid."""
+    """What changes the image besides the package: the base, EFA, the non-root user's uid.
+
+    ``install_efa`` (GPU image): reinstall EFA over the base's network stack. Off by default:
+    the DLC base ships a matched EFA + aws-ofi-nccl (containers/gpu.Dockerfile says why)."""
 
     base_image: str | None = None
-    install_efa: bool = True
+    install_efa: bool = False
     uid: int = 10001
 
     def build_args(self) -> dict[str, str]:
         args = {"INSTALL_EFA": "1" if self.install_efa else "0", "SANA_UID": str(self.uid)}
+        if self.install_efa:
+            args["EFA_LD_LIBRARY_PATH"] = EFA_LD_LIBRARY_PATH
         if self.base_image:
             args["BASE_IMAGE"] = self.base_image
         return args
@@ -269,13 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=("tag", "build", "push"))
     parser.add_argument("kind", help="gpu or neuron")
     parser.add_argument("--base", help="base image (default: the Dockerfile's BASE_IMAGE)")
-    parser.add_argument("--no-efa", action="store_true", help="GPU: skip the EFA installer stage")
+    parser.add_argument("--efa", action="store_true",
+                        help="GPU: reinstall EFA over the base's (default: keep the DLC's matched stack)")
     parser.add_argument("--pip-from-host", action="store_true",
                         help="resolve packages as this machine's pip does (podman/buildah only)")
     parser.add_argument("--registry", help="push: ACCOUNT.dkr.ecr.REGION.amazonaws.com")
     parser.add_argument("--builder", choices=BUILDERS, help="default: detected (SANA_IMAGE_BUILDER)")
     ns = parser.parse_args(argv)
-    options = BuildOptions(base_image=ns.base, install_efa=not ns.no_efa)
+    options = BuildOptions(base_image=ns.base, install_efa=ns.efa)
     try:
         if ns.action == "tag":
             print(image_meta(spec_of(ns.kind), options).tag)

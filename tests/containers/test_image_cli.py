@@ -28,8 +28,27 @@ def test_tag_is_the_package_hash_plus_a_recipe_hash_that_changes_with_base_and_e
     assert meta.package_hash == package_hash(LIFECYCLE_DIR, TRAINING_DIR)
     assert meta.tag.startswith(meta.package_hash + "-") and len(meta.tag.split("-")[1]) == 8
     assert meta.requirements_hash == hashlib.sha256((REPO / "training/requirements-gpu.txt").read_bytes()).hexdigest()[:16]
-    others = {image_meta(spec, BuildOptions(install_efa=False)).tag, image_meta(spec, BuildOptions(base_image="x")).tag}
+    others = {image_meta(spec, BuildOptions(install_efa=True)).tag, image_meta(spec, BuildOptions(base_image="x")).tag}
     assert meta.tag not in others and len(others) == 2
+
+
+def test_the_gpu_image_keeps_the_bases_network_stack_unless_efa_is_asked_for(tmp_path):
+    """Default: no EFA reinstall over the DLC's matched EFA + aws-ofi-nccl, its LD_LIBRARY_PATH
+    kept; EFA=1 (`--efa`): the installer runs and the nccl-tests Dockerfile's EFA library path
+    goes in front."""
+    spec = spec_of("gpu")
+    default = build_command("buildah", spec, image_meta(spec, BuildOptions()), BuildOptions(), tmp_path)
+    assert "INSTALL_EFA=0" in default and not [a for a in default if a.startswith("EFA_LD_LIBRARY_PATH=")]
+    efa = BuildOptions(install_efa=True)
+    cmd = build_command("buildah", spec, image_meta(spec, efa), efa, tmp_path)
+    assert "INSTALL_EFA=1" in cmd
+    (path,) = [a.split("=", 1)[1] for a in cmd if a.startswith("EFA_LD_LIBRARY_PATH=")]
+    assert path.split(":")[:3] == ["/opt/amazon/openmpi/lib", "/opt/amazon/efa/lib", "/opt/amazon/ofi-nccl/lib"]
+    assert path.endswith(":")  # joined to the base's LD_LIBRARY_PATH
+    dockerfile = (REPO / "containers/gpu.Dockerfile").read_text()
+    assert "\nARG INSTALL_EFA=0\n" in dockerfile and '\nARG EFA_LD_LIBRARY_PATH=""\n' in dockerfile
+    assert "\nENV LD_LIBRARY_PATH=${EFA_LD_LIBRARY_PATH}${LD_LIBRARY_PATH}\n" in dockerfile
+    assert "--efa" in (REPO / "Makefile").read_text().split("\nimage:")[1].split("\n")[1]
 
 
 def test_buildah_command_isolation_network_mounts_args_and_labels(tmp_path):
