@@ -92,6 +92,7 @@ run_optional_step() {
   run_step_script optional "$@"
 }
 
+# run_step_script required|optional NAME SCRIPT [ARGS...]: both of the above.
 run_step_script() {
   local kind=$1 name=$2 script=$3 started=$SECONDS status=0
   shift 3
