@@ -146,9 +146,6 @@ STANDINS = {
              '  case $inc in */*) files="$files $PLATFORM_ROOT$inc";; *) files="$files $conf/$inc";; esac; done\n'
              'for so in $(cat $files 2>/dev/null | sed -n "s/^ *\\(required\\|optional\\) *\\([^ ]*spank_pyxis.so\\).*/\\2/p"); do\n'
              '  if [ -f "$PLATFORM_ROOT$so" ]; then echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"; break; fi; done'),
-    # The test's clock: the real date, $STANDIN_CLOCK_OFFSET_S seconds later (a test stands
-    # for "10 minutes later" without waiting them).
-    "date": 'exec /bin/date -d "@$(( $(/bin/date +%s) + ${STANDIN_CLOCK_OFFSET_S:-0} ))" "$@"',
 }
 # iptables / ip6tables on a node: the IMDS step's rules (lifecycle_scripts/imds_block.sh). Here a
 # stand-in keeps them per node under $PLATFORM_ROOT/run/standin-netfilter: this machine's own
@@ -162,6 +159,9 @@ _NETFILTER = ('d="$PLATFORM_ROOT/run/standin-netfilter"; mkdir -p "$d"; me=$(bas
               '  list) chain=$(for a; do :; done; echo "$a"); echo "-N $chain"; grep "^-A $chain " "$d/$fam.rules";;\n'
               '  *) echo "$me $*: not stood in" >&2; exit 2;; esac')
 STANDINS.update({name: _NETFILTER for name in ("iptables", "ip6tables", "iptables-restore", "ip6tables-restore")})
+# The test's clock: the real date, $STANDIN_CLOCK_OFFSET_S seconds later (a test stands for "10
+# minutes later" without waiting them). On PATH only for a call that sets the offset.
+CLOCK = 'exec /bin/date -d "@$(( $(/bin/date +%s) + ${STANDIN_CLOCK_OFFSET_S:-0} ))" "$@"'
 
 # What HyperPod brings up on each role (Extended mode): the controller's slurmctld; slurmd on
 # compute and login nodes (login nodes run a configless slurmd too: hyperpod-mental-model.md,
@@ -253,9 +253,11 @@ def make_standins(bin_dir: Path) -> Path:
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name, body in STANDINS.items():
         path = bin_dir / name
-        record = "" if name == "date" else f'[ -n "$STANDIN_LOG" ] && echo "{name} $*" >>"$STANDIN_LOG"\n'
-        path.write_text(f"#!/bin/sh\n{record}{body}\n")
+        path.write_text(f'#!/bin/sh\n[ -n "$STANDIN_LOG" ] && echo "{name} $*" >>"$STANDIN_LOG"\n{body}\n')
         path.chmod(0o755)
+    (bin_dir / "clock").mkdir()
+    (bin_dir / "clock/date").write_text(f"#!/bin/sh\n{CLOCK}\n")
+    (bin_dir / "clock/date").chmod(0o755)
     real_python = Path(os.path.realpath(sys.executable))
     for name in ("python3", "python3.11"):
         (bin_dir / name).symlink_to(real_python)
@@ -472,6 +474,8 @@ class Cluster:
             **self.sources,
         )
         env.update(overrides)
+        if "STANDIN_CLOCK_OFFSET_S" in overrides:
+            env["PATH"] = f"{self.standins / 'clock'}:{env['PATH']}"
         return env
 
     def start(self, node: str, *, fsx: bool = True, slurm: bool = True, **overrides: str) -> subprocess.Popen:
