@@ -18,6 +18,10 @@
 #      now or in an hour, and again after every restart or reboot;
 #   3. starts it now (--no-block) if the daemon is already up or starting: a start job queued
 #      before the unit was enabled would not pull it in.
+# Unlike the imds step's boot-time unit (a wants link is enough for the next boot), this one
+# must take effect in the running systemd: `systemctl daemon-reload` ("reload all unit files,
+# and recreate the entire dependency tree", systemctl(1)) and `systemctl enable`, for the
+# platform's own unit only; no unit HyperPod owns is started, stopped or restarted.
 # The unit runs slurm_ready.sh (copied to $STATE_DIR/lifecycle with the other scripts), which
 # writes the final READY line.
 set -euo pipefail
