@@ -79,7 +79,9 @@ def run_unit(root: Path, unit: str, env: dict[str, str]) -> int:
     with open(markers / f"{unit}.out", "ab") as log:
         code = subprocess.run(exec_start(root, unit), env=env, stdout=log, stderr=subprocess.STDOUT,
                               stdin=subprocess.DEVNULL, timeout=600).returncode
-    (markers / f"{unit}.result").write_text(f"{code}\n")
+    # Renamed into place: a test waiting for the file never reads it half-written.
+    (markers / f"{unit}.result.tmp").write_text(f"{code}\n")
+    (markers / f"{unit}.result.tmp").replace(markers / f"{unit}.result")
     return code
 
 
