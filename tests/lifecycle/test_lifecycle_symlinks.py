@@ -29,7 +29,7 @@ GID = GROUP[1]
 
 
 @pytest.fixture
-def world(standins, wheels):
+def world(standins, wheels, sources):
     """A fresh cluster under a 0755 directory, plus a root-owned decoy tree outside FSx."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("the attacks need root (to boot) and setpriv (to attack as a cluster uid)")
@@ -39,7 +39,8 @@ def world(standins, wheels):
     decoy.mkdir()
     (decoy / "shadow").write_text("root:*:19000:0:99999:7:::\n")
     (decoy / "shadow").chmod(0o640)
-    c = Cluster(base / "cluster", make_bundle(base / "cluster/bundle", wheels, package_hash="pkg0001"), standins)
+    c = Cluster(base / "cluster", make_bundle(base / "cluster/bundle", wheels, package_hash="pkg0001"), standins,
+                sources)
     c.base.chmod(0o755)
     yield c, decoy
     shutil.rmtree(base, ignore_errors=True)
@@ -153,7 +154,7 @@ def test_the_container_step_makes_each_users_enroot_dirs_before_anyone_else_can(
     c, decoy = world
     node = "login-1"
     assert c.run(node).returncode == 0
-    scratch = c.root(node) / "tmp/tmp/enroot"  # no local NVMe in the pretend node: enroot uses /tmp
+    scratch = c.root(node) / "opt/sagemaker/tmp/enroot"  # a login node has no NVMe: the secondary EBS volume
     for uid in USERS.values():
         for sub in (f"user-{uid}", f"data/user-{uid}"):
             st = (scratch / sub).lstat()
