@@ -149,7 +149,7 @@ def configless() -> Iterator[tuple[SlurmCluster, Path, Path]]:
 
 def register(cluster: SlurmCluster, etc: Path, prefix: Path) -> subprocess.CompletedProcess:
     """The containers step in the controller role, with the controller's config in ``etc``."""
-    env = cluster.env(SLURM_ETC=str(etc), PLATFORM_ROOT="", FSX=str(cluster.root), CFG_CLUSTER_GID="0",
+    env = cluster.env(SLURM_ETC=str(etc), PLATFORM_ROOT="", FSX=str(cluster.root), CFG_CLUSTER_GID="0", CFG_CLUSTER_USERS="ana:2001",
                       NODE_ROLE="controller", CFG_CONTAINER_RUNTIME="true", LIFECYCLE_PYXIS_PREFIX=str(prefix),
                       STEP_WARN_FILE=str(cluster.root / "warnings"))
     return subprocess.run(["bash", str(STEP)], env=env, capture_output=True, text=True, timeout=120)
