@@ -16,6 +16,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# No test asks the real instance metadata service: botocore's credential chain ends with an
+# IMDS lookup (169.254.169.254) when nothing else has credentials, and this machine is not an
+# EC2 node. Tests that need the service start a stand-in in a network namespace of their own
+# (tests/lifecycle/test_imds_block.py); subprocesses inherit this too.
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+
 
 def skip_or_fail(reason: str, *, required_by: str) -> None:
     """Skip locally; fail where ``required_by`` is "1" (.ci/run sets it: in CI `make test` has
