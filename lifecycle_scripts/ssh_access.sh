@@ -53,7 +53,7 @@ if [[ -n $module ]]; then
 else
   # No module: the line above then only lets non-members through; members are refused here.
   block=("$BEGIN" "account required pam_succeed_if.so quiet user notingroup $CFG_CLUSTER_GROUP")
-  log "WARNING: pam_slurm_adopt.so is not installed on this node (looked in ${MODULE_DIRS[*]}): cluster users cannot SSH to this compute node at all; srun --jobid <id> --overlap --pty bash reaches a job's node"
+  warn "pam_slurm_adopt.so is not installed on this node (looked in ${MODULE_DIRS[*]}): cluster users cannot SSH to this compute node at all; srun --jobid <id> --overlap --pty bash reaches a job's node"
 fi
 block+=("$END")
 
@@ -67,6 +67,6 @@ current=$(awk -v b="$BEGIN" -v e="$END" '$0 == b { skip = 1 } !skip { print } $0
 PATH="$PATH:/opt/slurm/bin"
 flags=$(scontrol show config 2>/dev/null | awk -F'= *' '/^PrologFlags/ { print $2 }' || true)
 if [[ -n $module && ,${flags// /}, != *,[Cc]ontain,* ]]; then
-  log "WARNING: Slurm's PrologFlags (${flags:-unset}) lack Contain: pam_slurm_adopt finds no extern step and refuses every cluster user's SSH to this node (it fails closed); srun --jobid <id> --overlap --pty bash reaches a job's node"
+  warn "Slurm's PrologFlags (${flags:-unset}) lack Contain: pam_slurm_adopt finds no extern step and refuses every cluster user's SSH to this node (it fails closed); srun --jobid <id> --overlap --pty bash reaches a job's node"
 fi
 log "sshd account stack: ${module:-no pam_slurm_adopt; cluster users refused}${module:+ for members of $CFG_CLUSTER_GROUP (PrologFlags ${flags:-unknown})}"

@@ -28,8 +28,16 @@ def node(tmp_path: Path):
 
 
 def run(root: Path, bin_dir: Path, **env: str) -> subprocess.CompletedProcess:
-    full = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PLATFORM_ROOT": str(root), "CFG_CLUSTER_GROUP": GROUP[0], **env}
+    """The step as on_init_complete.sh runs it: its warnings go to STEP_WARN_FILE (they become
+    WARN lines in the node's status file and the smoke job's table)."""
+    full = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PLATFORM_ROOT": str(root), "CFG_CLUSTER_GROUP": GROUP[0],
+            "STEP_WARN_FILE": str(root / "step-warnings"), **env}
     return subprocess.run(["bash", str(SCRIPT)], env=full, capture_output=True, text=True, timeout=60)
+
+
+def warnings(root: Path) -> str:
+    path = root / "step-warnings"
+    return path.read_text() if path.exists() else ""
 
 
 def managed(root: Path) -> list[str]:
@@ -49,7 +57,7 @@ def test_with_the_module_members_need_a_job_here_and_others_are_untouched(node):
         "account required /lib/x86_64-linux-gnu/security/pam_slurm_adopt.so action_adopt_failure=deny",
         "# END sana-platform"]
     assert (root / "etc/pam.d/sshd").read_text().startswith(SSHD_PAM)  # Ubuntu's stack kept, ours last
-    assert "WARNING" not in done.stdout
+    assert "WARNING" not in done.stdout and warnings(root) == ""
     before = (root / "etc/pam.d/sshd").read_bytes()
     assert run(root, bin_dir).returncode == 0 and (root / "etc/pam.d/sshd").read_bytes() == before
 
@@ -61,6 +69,7 @@ def test_without_the_module_members_are_refused_with_a_warning(node):
     assert managed(root) == [BLOCK, f"account required pam_succeed_if.so quiet user notingroup {GROUP[0]}",
                              "# END sana-platform"]
     assert "WARNING: pam_slurm_adopt.so is not installed on this node" in done.stdout
+    assert warnings(root).startswith("pam_slurm_adopt.so is not installed on this node")  # a WARN row, not a log line only
 
 
 def test_prolog_flags_without_contain_are_reported(node):
@@ -71,6 +80,7 @@ def test_prolog_flags_without_contain_are_reported(node):
     done = run(root, bin_dir, STANDIN_PROLOG_FLAGS="Alloc")
     assert done.returncode == 0, done.stderr
     assert "WARNING: Slurm's PrologFlags (Alloc) lack Contain: pam_slurm_adopt finds no extern step" in done.stdout
+    assert warnings(root).startswith("Slurm's PrologFlags (Alloc) lack Contain")
 
 
 def test_a_node_without_sshds_pam_stack_fails_in_one_line(node):
