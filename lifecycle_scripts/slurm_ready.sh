@@ -15,6 +15,8 @@
 #                  wherever accounting is configured (slurm_accounts.sh)
 #      gpu/trn/login containers: pyxis is in the config this node's Slurm uses and srun loads it
 #                  (container_check.sh); skipped with containerRuntime=false
+#      gpu/trn     ssh: Slurm's PrologFlags carry Contain, which pam_slurm_adopt needs
+#                  (ssh_prolog_check.sh)
 #   3. the status file: READY (with slurm_wait=<s>: how long after the lifecycle finished
 #      Slurm was up here), the lifecycle's WARN lines and this check's.
 # Not up within the bound: the status stays PENDING with the cause, and the unit fails (systemd
@@ -97,6 +99,7 @@ main() {
       else
         run_part containers container_check.sh
       fi
+      if [[ $NODE_ROLE != login ]]; then run_part ssh ssh_prolog_check.sh; fi
       ;;
   esac
   mv -f "$late_warnings" "$LATE_WARNINGS_FILE"

@@ -19,11 +19,13 @@
 # (SlurmConfigStrategy=Managed) and the API's SlurmConfig has no field for PrologFlags, so this
 # step cannot set it (and never edits slurm.conf, see on_init_complete.sh): without Contain the
 # module finds no extern step and denies every cluster user, i.e. fails closed; the step says so
-# in a WARNING and `srun --jobid <id> --overlap --pty bash` remains the way onto a job's node.
+# in a WARN line (checked once Slurm is up: ssh_prolog_check.sh) and `srun --jobid <id> --overlap --pty bash` remains the way onto a job's node.
 # Where the AMI lacks pam_slurm_adopt.so (HyperPod's samples build it from Slurm's source,
 # awslabs/awsome-distributed-ai 1.architectures/5.sagemaker-hyperpod/LifecycleScripts/base-config/
 # utils/pam_adopt_cgroup_wheel.sh), cluster users are denied SSH to compute nodes altogether
-# (pam_succeed_if alone), with a WARNING: never more access than with the module.
+# (pam_succeed_if alone), with a log line (a secure default, not a degraded part: the AMI does
+# not ship the module, so a WARN on every node would drown real warnings): never more access
+# than with the module.
 # Re-running replaces the block; PAM reads its files at every login, so sshd is not restarted.
 set -euo pipefail
 # shellcheck source=SCRIPTDIR/common.sh
@@ -53,7 +55,7 @@ if [[ -n $module ]]; then
 else
   # No module: the line above then only lets non-members through; members are refused here.
   block=("$BEGIN" "account required pam_succeed_if.so quiet user notingroup $CFG_CLUSTER_GROUP")
-  warn "pam_slurm_adopt.so is not installed on this node (looked in ${MODULE_DIRS[*]}): cluster users cannot SSH to this compute node at all; srun --jobid <id> --overlap --pty bash reaches a job's node"
+  log "pam_slurm_adopt.so is not installed on this node (looked in ${MODULE_DIRS[*]}): cluster users cannot SSH to this compute node at all; srun --jobid <id> --overlap --pty bash reaches a job's node"
 fi
 block+=("$END")
 
@@ -64,9 +66,8 @@ current=$(awk -v b="$BEGIN" -v e="$END" '$0 == b { skip = 1 } !skip { print } $0
   printf '%s\n' "${block[@]}"
 } | write_atomically "$PAM_SSHD" 0644
 
-PATH="$PATH:/opt/slurm/bin"
-flags=$(scontrol show config 2>/dev/null | awk -F'= *' '/^PrologFlags/ { print $2 }' || true)
-if [[ -n $module && ,${flags// /}, != *,[Cc]ontain,* ]]; then
-  warn "Slurm's PrologFlags (${flags:-unset}) lack Contain: pam_slurm_adopt finds no extern step and refuses every cluster user's SSH to this node (it fails closed); srun --jobid <id> --overlap --pty bash reaches a job's node"
-fi
-log "sshd account stack: ${module:-no pam_slurm_adopt; cluster users refused}${module:+ for members of $CFG_CLUSTER_GROUP (PrologFlags ${flags:-unknown})}"
+# Whether Slurm's PrologFlags carry Contain needs slurmctld, which may still be starting now:
+# the late check (slurm_ready.sh, once this node's slurmd is up) runs ssh_prolog_check.sh.
+mkdir -p "$STATE_DIR"
+printf '%s\n' "$module" >"$STATE_DIR/ssh-module"
+log "sshd account stack: ${module:-no pam_slurm_adopt; cluster users refused}${module:+ for members of $CFG_CLUSTER_GROUP}"

@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 from lifecycle_cluster import GROUP, SSHD_PAM, make_standins
 
-SCRIPT = Path(__file__).resolve().parents[2] / "lifecycle_scripts" / "ssh_access.sh"
+SCRIPTS = Path(__file__).resolve().parents[2] / "lifecycle_scripts"
+SCRIPT = SCRIPTS / "ssh_access.sh"
+#: the late part, run by slurm_ready.sh once slurmd is up (PrologFlags needs slurmctld)
+LATE = SCRIPTS / "ssh_prolog_check.sh"
 BLOCK = "# BEGIN sana-platform: compute-node SSH only for users with a job here (lifecycle_scripts/ssh_access.sh)"
 
 
@@ -27,12 +30,12 @@ def node(tmp_path: Path):
     return root, bin_dir
 
 
-def run(root: Path, bin_dir: Path, **env: str) -> subprocess.CompletedProcess:
+def run(root: Path, bin_dir: Path, script: Path = SCRIPT, **env: str) -> subprocess.CompletedProcess:
     """The step as on_init_complete.sh runs it: its warnings go to STEP_WARN_FILE (they become
     WARN lines in the node's status file and the smoke job's table)."""
     full = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PLATFORM_ROOT": str(root), "CFG_CLUSTER_GROUP": GROUP[0],
             "STEP_WARN_FILE": str(root / "step-warnings"), **env}
-    return subprocess.run(["bash", str(SCRIPT)], env=full, capture_output=True, text=True, timeout=60)
+    return subprocess.run(["bash", str(script)], env=full, capture_output=True, text=True, timeout=60)
 
 
 def warnings(root: Path) -> str:
@@ -62,25 +65,34 @@ def test_with_the_module_members_need_a_job_here_and_others_are_untouched(node):
     assert run(root, bin_dir).returncode == 0 and (root / "etc/pam.d/sshd").read_bytes() == before
 
 
-def test_without_the_module_members_are_refused_with_a_warning(node):
+def test_without_the_module_members_are_refused_and_it_is_logged(node):
     root, bin_dir = node
     done = run(root, bin_dir)
     assert done.returncode == 0, done.stderr
     assert managed(root) == [BLOCK, f"account required pam_succeed_if.so quiet user notingroup {GROUP[0]}",
                              "# END sana-platform"]
-    assert "WARNING: pam_slurm_adopt.so is not installed on this node" in done.stdout
-    assert warnings(root).startswith("pam_slurm_adopt.so is not installed on this node")  # a WARN row, not a log line only
+    assert "pam_slurm_adopt.so is not installed on this node" in done.stdout
+    assert warnings(root) == ""  # denying SSH is the secure default, not a degraded part: no WARN row
+    late = run(root, bin_dir, LATE, STANDIN_PROLOG_FLAGS="Alloc")  # and nothing to check once Slurm is up
+    assert late.returncode == 0 and warnings(root) == "", late.stderr
 
 
-def test_prolog_flags_without_contain_are_reported(node):
+def test_prolog_flags_are_checked_once_slurm_is_up_and_without_contain_are_a_warn_line(node):
+    """The step itself never asks slurmctld (it may still be starting during the lifecycle);
+    the late part does, once slurmd is up, and warns when Contain is missing."""
     root, bin_dir = node
     module = root / "opt/slurm/lib/security/pam_slurm_adopt.so"
     module.parent.mkdir(parents=True)
     module.touch()
     done = run(root, bin_dir, STANDIN_PROLOG_FLAGS="Alloc")
     assert done.returncode == 0, done.stderr
-    assert "WARNING: Slurm's PrologFlags (Alloc) lack Contain: pam_slurm_adopt finds no extern step" in done.stdout
+    assert "PrologFlags" not in done.stdout and warnings(root) == ""
+    late = run(root, bin_dir, LATE, STANDIN_PROLOG_FLAGS="Alloc")
+    assert late.returncode == 0, late.stderr
+    assert "WARNING: Slurm's PrologFlags (Alloc) lack Contain: pam_slurm_adopt finds no extern step" in late.stdout
     assert warnings(root).startswith("Slurm's PrologFlags (Alloc) lack Contain")
+    (root / "step-warnings").unlink()
+    assert run(root, bin_dir, LATE, STANDIN_PROLOG_FLAGS="Alloc,Contain").returncode == 0 and warnings(root) == ""
 
 
 def test_a_node_without_sshds_pam_stack_fails_in_one_line(node):
