@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.stress import CpuStress
+
 REPO = Path(__file__).resolve().parents[1]
 
 # No test asks the real instance metadata service: botocore's credential chain ends with an
@@ -91,3 +93,19 @@ def s3_bucket(s3_endpoint: str) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture
+def cpu_stress(request: pytest.FixtureRequest) -> Iterator[CpuStress]:
+    """Busy processes beside the test for its whole duration (tests/stress.py); the
+    ``cpu_stress`` marker requests it, ``@pytest.mark.cpu_stress(workers=N)`` sizes it."""
+    marker = request.node.get_closest_marker("cpu_stress")
+    workers = marker.kwargs.get("workers") if marker is not None else None
+    with CpuStress(workers) as stress:
+        yield stress
+
+
+@pytest.fixture(autouse=True)
+def _stress_when_marked(request: pytest.FixtureRequest) -> None:
+    if request.node.get_closest_marker("cpu_stress") is not None:
+        request.getfixturevalue("cpu_stress")

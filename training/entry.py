@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from training.backends.base import Backend
 from training.config import TrainConfig
+from training.failure import FailureBoard, PeerWatch, leave, peer_failed
 from training.loop import train
 
 
 def run(cfg: TrainConfig, backend: Backend, summary: Callable[[], dict[str, Any]] | None = None, *,
         reset_logging: bool = False) -> None:
     """Init the backend, train, print a one-line JSON summary on rank 0, close.
+
+    In a distributed run (torchrun's WORLD_SIZE > 1) a failure on any rank ends every rank
+    within seconds, the failed one first with its traceback (training/failure/): this
+    function then never returns.
 
     Args:
         summary: extra fields for the summary line (e.g. Trainium's compile counts).
@@ -27,17 +33,32 @@ def run(cfg: TrainConfig, backend: Backend, summary: Callable[[], dict[str, Any]
     Raises:
         SystemExit: 128 + signal number when SIGTERM/SIGUSR1 stopped the run early.
     """
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    board: FailureBoard | None = None
+    watch: PeerWatch | None = None
     try:
         backend.init()
         logging.basicConfig(level=logging.INFO if backend.is_main else logging.WARNING,
                             format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr,
                             force=reset_logging)
+        if distributed:
+            board = FailureBoard.open(cfg.output_dir, rank=backend.rank, broadcast=backend.broadcast_object)
+            watch = PeerWatch(board, lambda failure: peer_failed(failure, rank=backend.rank))
         result = train(cfg, backend)
+    except BaseException as exc:
+        if not distributed:
+            backend.close()
+            raise
+        # No collective, no teardown that could wait on a peer: report, mark, exit.
+        leave(exc, rank=int(os.environ.get("RANK", backend.rank)), board=board)
+    if watch is not None:
+        watch.stop()
+    try:
         if backend.is_main:
             print(json.dumps({"steps": result.steps, "final_loss": result.final_loss,
                               "checkpoint": str(result.checkpoint) if result.checkpoint else None,
                               "output_dir": cfg.output_dir, **(summary() if summary else {})}), flush=True)
-        if result.stopped_by is not None:  # Slurm asked us to stop: say so in the exit code
-            raise SystemExit(128 + result.stopped_by)
     finally:
         backend.close()
+    if result.stopped_by is not None:  # Slurm asked us to stop: say so in the exit code
+        raise SystemExit(128 + result.stopped_by)

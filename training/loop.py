@@ -207,8 +207,12 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
         trimmed(position.pulled(loader), lengths=trim, floor=int(null_mask.sum()), meter=meter)))
     step_tokens: list[StepTokens] = []
     stopped_by = None
-    try:
-        with StopRequest() as stop:
+    stop = StopRequest(backend)
+    # The stop-signal handler stays in place until the cleanup below is done, failure path
+    # included: torchrun SIGTERMs the other workers as soon as one exits, and the default
+    # action would end a rank before it said why it stops (training/failure/).
+    with stop:
+        try:
             while state.step < cfg.max_steps:
                 t0 = time.perf_counter()
                 loss, grad_norm = train_step(model, optimizer, scheduler, objective, batches, backend, cfg.optim)
@@ -230,20 +234,28 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
                                                       sum(step_tokens[-window_steps:], StepTokens())),
                                     loss, grad_norm)
                     window_start, window_steps = now, 0
-                # Rank 0's pending stop signal, asked at logging steps only (a small collective).
-                stopped_by = stop.agreed(backend) if state.step % cfg.log_every == 0 else None
+                # Every step: any rank's stop signal, agreed one step later (training/preemption.py).
+                stopped_by = stop.poll()
                 saved = ckpt.maybe_save(step=state.step, model=model, optimizer=optimizer, scheduler=scheduler,
                                         ema=ema, loader=position, state=state,
                                         force=state.step == cfg.max_steps or stopped_by is not None)
                 last_ckpt = saved or last_ckpt
                 if stopped_by is not None:
                     break
+            # Success only: these wait on every rank (training/failure/__init__.py).
+            stop.finish()
             # XLA runs on_host reads at the next sync; after the last step only this one comes.
             backend.barrier()
-    finally:
-        loader.close()
-        ckpt.close()
-        metrics.close()
+            ckpt.close()
+        except BaseException as exc:
+            # Leave the collectives: nothing here waits on another rank, the save in flight is
+            # abandoned (never committed half), the caller reports and exits.
+            ckpt.abandon()
+            exc.add_note(f"(raised after training step {state.step} of {cfg.max_steps})")
+            raise
+        finally:
+            loader.close()
+            metrics.close()
     return TrainResult(steps=len(step_times), final_loss=final_loss[0] if final_loss else None,
                        step_times=step_times, samples_per_step=global_batch, checkpoint=last_ckpt,
                        model=model, stopped_by=stopped_by, step_tokens=step_tokens)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -211,11 +210,14 @@ def _rank_worker(rank: int, world: int, init: str, features: str, out: str) -> N
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_train_the_same_bucket_each_step_on_disjoint_samples(bucketed: Path, tmp_path: Path):
+def test_two_gloo_ranks_train_the_same_bucket_each_step_on_disjoint_samples(bucketed: Path, tmp_path: Path,
+                                                                           monkeypatch):
     import torch.multiprocessing as mp
 
     out = tmp_path / "gathered.json"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The spawned ranks inherit it; monkeypatch takes it back (left set, it told every later
+    # GpuBackend in this process to keep torch's default thread count: test_lora's resume).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     mp.spawn(_rank_worker, args=(2, f"file://{tmp_path / 'store'}", str(bucketed), str(out)), nprocs=2)
     rank0, rank1 = json.loads(out.read_text())
     ids = ids_by_index(bucketed)

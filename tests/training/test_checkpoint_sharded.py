@@ -358,6 +358,7 @@ def test_ranks_killed_mid_sharded_save_resume_bit_identical(features, tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_stress
 def test_ddp_checkpoint_reshards_onto_fsdp2_and_hsdp_with_other_world_sizes_and_back(features, tmp_path):
     """2-rank DDP writes step 6 (24 samples: 8 steps of 3 ranks x 1); 3-rank FSDP2 (uneven
     dim-0 chunks) restores it exactly and saves its own shards; 4-rank HSDP (2 x 2) restores

@@ -114,6 +114,15 @@ class Backend(abc.ABC):
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank (small Python objects: a resume path, a step)."""
 
+    def agree_max_async(self, value: int) -> Callable[[], int]:
+        """Start the max of a small int over all ranks; the returned callable waits for it.
+
+        Host-side (a gloo all-reduce of one CPU int on a CPU process group): no device work,
+        no op in an XLA step graph, nothing the device queue waits for, so the loop can start
+        one every step and read it one step later for free (training/preemption.py). Every
+        rank must start the same sequence. One process: ``value``."""
+        return lambda: value
+
     @abc.abstractmethod
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Full CPU state dict of the unwrapped model. Collective: call on every rank."""
@@ -165,3 +174,19 @@ class Backend(abc.ABC):
     def describe(self) -> dict[str, Any]:
         """Facts for logs and bench JSON: accelerator name, count per node, versions."""
         return {"backend": self.name, "world_size": self.world_size, "device": str(self.device)}
+
+
+def gloo_max_async(value: int, group: Any) -> Callable[[], int]:
+    """``agree_max_async`` over a gloo process group (``group`` None: the default group, when
+    that is gloo). Issued from the calling (main) thread, so every rank issues its collectives
+    on the group in the same order, as gloo pairs them (by sequence number)."""
+    import torch.distributed as dist
+
+    box = torch.tensor([int(value)], dtype=torch.int64)
+    work = dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def result() -> int:
+        work.wait()
+        return int(box.item())
+
+    return result

@@ -198,6 +198,8 @@ class GpuBackend(Backend):
         self._fsdp_root: nn.Module | None = None
         self.mesh: Any = None  # the FSDP/HSDP DeviceMesh (None under DDP)
         self._owns_group = False
+        self._host_group: Any = None  # gloo group for host-side agreement on CUDA (agree_max_async)
+        self._threads_before: int | None = None  # torch's intra-op threads before init (restored by close)
         self._last_step_event: torch.cuda.Event | None = None
 
     # ----- lifecycle ---------------------------------------------------------
@@ -213,7 +215,10 @@ class GpuBackend(Backend):
         elif "OMP_NUM_THREADS" not in os.environ:
             # CPU runs are tests and the demo on tiny models: intra-op threads cost far more
             # than they give there (measured 15x slower with 2 threads on 2 busy cores).
-            # OMP_NUM_THREADS overrides.
+            # OMP_NUM_THREADS overrides. A process-wide setting: close() puts it back. (On CPU
+            # the thread count is part of the numerics: a run resumed with another count is not
+            # bit-identical; describe() records it, a resume warns when it differs.)
+            self._threads_before = torch.get_num_threads()
             torch.set_num_threads(1)
         needs_group = self.world_size > 1 or self.cfg.distributed != "ddp"
         if needs_group and not dist.is_initialized():
@@ -225,11 +230,19 @@ class GpuBackend(Backend):
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(minutes=self.cfg.timeout_minutes), **kw)
             self._owns_group = True
+        if self.world_size > 1 and self.device.type == "cuda":
+            # The stop-signal exchange runs on the host every step; over NCCL it would be a
+            # device collective the host waits for. The CPU default group is gloo already.
+            self._host_group = dist.new_group(backend="gloo")
 
     def close(self) -> None:
+        self._host_group = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
 
     # ----- model and optimizer ---------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -425,6 +438,13 @@ class GpuBackend(Backend):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def agree_max_async(self, value: int) -> Callable[[], int]:
+        if not self._distributed:
+            return lambda: value
+        from training.backends.base import gloo_max_async
+
+        return gloo_max_async(value, self._host_group)
+
     def _all_have(self, state: Mapping[str, Any]) -> bool:
         """True when every rank was handed a non-empty state (else rank 0's is broadcast)."""
         flag = torch.tensor([1 if len(state) else 0], device=self.device)
@@ -511,6 +531,8 @@ class GpuBackend(Backend):
             "mesh": None if self.mesh is None else dict(zip(self.mesh.mesh_dim_names, self.mesh.shape, strict=True)),
             "ddp_grad_compression": self.cfg.ddp_grad_compression,
             "compile": self.cfg.compile,
+            # CPU: the intra-op thread count changes reduction order, i.e. the bits
+            **({} if cuda else {"intra_op_threads": torch.get_num_threads()}),
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
         }

@@ -399,6 +399,13 @@ class NeuronBackend(Backend):
         dist.broadcast_object_list(box, src=0, group=self._host_group)
         return box[0]
 
+    def agree_max_async(self, value: int) -> Callable[[], int]:
+        if self.world_size == 1:
+            return lambda: value
+        from training.backends.base import gloo_max_async
+
+        return gloo_max_async(value, self._host_group)  # gloo on the host: no XLA graph, no sync
+
     def _flush(self) -> None:
         """Materialise pending work before reading tensors (not counted as a step sync)."""
         import torch_xla

@@ -43,6 +43,7 @@ from training.checkpoint.layout import (
     STEP_RE,
     TMP_PREFIX,
     commit_dir,
+    done_file,
     fault_point,
     find_latest,
     fsync_dir,
@@ -544,6 +545,13 @@ class Checkpointer:
         if backend.is_main and (changes := _config_changes(meta.get("config") or {}, self.run_config)):
             # Legitimate (a longer run, a new LR), but then the run is no longer the one saved.
             log.warning("resuming with a changed config: %s", "; ".join(changes[:20]))
+        saved_threads = (meta.get("backend") or {}).get("intra_op_threads")
+        threads = backend.describe().get("intra_op_threads")
+        if backend.is_main and saved_threads is not None and threads is not None and saved_threads != threads:
+            # CPU only: the thread count changes the reduction order of every op, so the bits.
+            log.warning("%s: saved with %s intra-op CPU threads, resumed with %s: continuing is fine, "
+                        "bit-identity is not (set OMP_NUM_THREADS=%s to match)", path, saved_threads, threads,
+                        saved_threads)
         if not rng_path.exists() or meta.get("world_size") != backend.world_size:
             # A different world size than the saving run: continuing is fine, bit-identity is not.
             log.warning("%s: no RNG state for rank %d (saved with world size %s); using rank 0's",
@@ -615,8 +623,27 @@ class Checkpointer:
                 log.warning("resuming from step %d: renaming the later %s to %s", step, path.name, target.name)
                 os.replace(path, target)
 
+    def abandon(self) -> None:
+        """The run failed on this rank (the loop's failure path): leave without waiting on any
+        other rank. No collective, no join. A save in flight is left to its thread; a rank
+        other than 0 leaves a failed record in it (as a failed write does), so rank 0's commit
+        stops waiting for it instead of waiting out its timeout. What rank 0 commits is whole
+        either way (the manifest goes in only after every rank's done record, each written
+        after that rank's files: training/checkpoint/sharded.py); an uncommitted
+        ``.tmp-step-*`` is what a crash leaves, handled at the next start. The S3 mirror
+        stops without draining its queue (the local copies are complete)."""
+        job, tmp = self._job, self._job_tmp
+        self._job = None
+        rank = self.backend.rank
+        if job is not None and tmp is not None and rank != 0 and not (tmp / done_file(rank)).exists():
+            sharded.record_failure(tmp, rank, "abandoned: this rank failed during the save")
+        if self.mirror is not None:
+            self.mirror.close(timeout_s=0)
+            self.mirror = None
+
     def close(self) -> None:
-        """Finish the save in flight, then wait for the S3 mirror to finish every queued upload."""
+        """Success path: finish the save in flight (a collective: every rank learns its
+        outcome), then wait for the S3 mirror to finish every queued upload."""
         try:
             self.wait()
         finally:
