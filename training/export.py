@@ -36,6 +36,7 @@ import torch
 from training.checkpoint import EMA_FILE, MANIFEST, MODEL_FILE, STATE_FILE, resolve_checkpoint
 from training.checkpoint.consolidate import has_part, iter_full
 from training.errors import UserError, exits_cleanly
+from training.files import honour_umask
 from training.text_features import CONDITIONING_FILE, TextConditioning
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -104,6 +105,7 @@ def export(ckpt: Path, out: Path, *, ema: bool = False, dtype: str = "fp32", ove
         "provenance": provenance,
     }, indent=1))
     (tmp / CONDITIONING_FILE).write_text(json.dumps(conditioning.to_dict(), indent=1))
+    honour_umask(tmp)  # save_pretrained's safetensors file is 0600 otherwise (training/files)
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -381,6 +381,9 @@ def export_lora(
     conditioning = TextConditioning.from_dict(provenance.get("text_conditioning"))
     for where in [tmp, tmp / MERGED_DIR] if merge else [tmp]:  # the merged dir can seed a later fine-tune
         (where / CONDITIONING_FILE).write_text(json.dumps(conditioning.to_dict(), indent=1))
+    from training.files import honour_umask
+
+    honour_umask(tmp)  # safetensors writes 0600 whatever the umask (training/files)
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)

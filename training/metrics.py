@@ -36,11 +36,15 @@ class MetricsLogger:
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / "metrics.jsonl"
+        keep_through(self.path, start_step)
         self._jsonl = open(self.path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(out / "tensorboard"))
+            # purge_step: TensorBoard hides the events at or after it that an earlier writer
+            # left (https://docs.pytorch.org/docs/stable/tensorboard.html, SummaryWriter
+            # ``purge_step``), i.e. the steps after the checkpoint this run resumed from.
+            self._tb = SummaryWriter(str(out / "tensorboard"), purge_step=start_step + 1 if start_step else None)
         if sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -83,6 +87,35 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.close()
         self._bar = self._tb = self._jsonl = None
+
+
+ABANDONED = "metrics-abandoned.jsonl"
+
+
+def keep_through(path: Path, step: int) -> None:
+    """Keep the records of ``path`` up to ``step`` (the step a run starts or resumes at).
+
+    The ones after it belong to a trajectory that was abandoned: the steps after the
+    checkpoint a crashed or preempted run resumes from, which the resumed run logs again, or a
+    whole earlier run in the same directory for a fresh start. They move to
+    ``metrics-abandoned.jsonl`` beside it (nothing is lost), so metrics.jsonl has one line per
+    logged step. A cut last line (a crash mid-write) goes there too."""
+    if not path.exists():
+        return
+    kept, dropped = [], []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            keep = line.endswith("\n") and int(json.loads(line)["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        (kept if keep else dropped).append(line if line.endswith("\n") else line + "\n")
+    if not dropped:
+        return
+    with open(path.with_name(ABANDONED), "a") as fh:
+        fh.writelines(dropped)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
 
 
 def _fmt(value: float) -> str:

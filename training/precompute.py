@@ -589,6 +589,9 @@ def merge(cfg: PrecomputeConfig, out: Output, units: Sequence[Unit], models: Mod
                                  complex_human_instruction=models.chi)
         save_file({f"{i:04d}": r.to(torch.bfloat16).contiguous() for i, r in enumerate(rows)},
                   str(out.staging / VALIDATION_PROMPTS))
+        from training.files import honour_umask
+
+        honour_umask(out.staging / VALIDATION_PROMPTS)  # save_file writes 0600 (training/files)
         extra["validation"]["file"] = VALIDATION_PROMPTS
         extra_files.append(VALIDATION_PROMPTS)
     created_by = {"tool": "training.precompute", "input": cfg.input, "vae": cfg.vae,

@@ -169,10 +169,14 @@ class Validation:
     only rank 0 holds the VAE, the embeddings and the render copy."""
 
     def __init__(self, cfg: ValidationConfig, backend: Any, *, loader: Any, model: nn.Module, output_dir: str | Path,
-                 metrics: Any, flow_shift: float) -> None:
+                 metrics: Any, flow_shift: float, lora: Any = None) -> None:
         from training.data import VALIDATION_PROMPTS
 
         self.cfg, self.backend, self.metrics, self.flow_shift = cfg, backend, metrics, flow_shift
+        #: a LoRA run's adapters (training/lora.py LoraConfig): the render copy gets the same ones,
+        #: so the gathered weights (PEFT names: ``...to_q.base_layer.weight``, ``...lora_A.default
+        #: .weight``) load strictly and the copy computes what the trained model computes
+        self.lora = lora if lora is not None and lora.enabled else None
         index = loader.index
         self.chosen = _selected_prompts(cfg, index.validation_prompts, index.source)
         self.prompts = [index.validation_prompts[i] for i in self.chosen]
@@ -264,7 +268,12 @@ class Validation:
         started = time.perf_counter()
         with preserved_rng(self.device):
             if self._transformer is None:  # its random init draws from the (restored) global RNG
-                self._transformer = SanaTransformer2DModel.from_config(self.model_config).eval().requires_grad_(False)
+                self._transformer = SanaTransformer2DModel.from_config(self.model_config)
+                if self.lora is not None:
+                    from training.lora import apply_lora
+
+                    apply_lora(self._transformer, self.lora)
+                self._transformer.eval().requires_grad_(False)
                 for tensor in [*self._transformer.parameters(), *self._transformer.buffers()]:
                     if tensor.is_floating_point():  # (ModelMixin.to(dtype) warns about fp32-pinned modules)
                         tensor.data = tensor.data.to(self.dtype)
@@ -303,9 +312,11 @@ class Validation:
 
 
 def build_validation(cfg: ValidationConfig, backend: Any, *, loader: Any, model: nn.Module,
-                     output_dir: str | Path, metrics: Any, flow_shift: float) -> Validation | NoValidation:
-    """The loop's validator: ``NoValidation`` when ``every_steps`` is 0 (STYLE.md rule 3)."""
+                     output_dir: str | Path, metrics: Any, flow_shift: float,
+                     lora: Any = None) -> Validation | NoValidation:
+    """The loop's validator: ``NoValidation`` when ``every_steps`` is 0 (STYLE.md rule 3).
+    ``lora``: the run's LoraConfig (adapters on the render copy too)."""
     if not cfg.enabled:
         return NoValidation()
     return Validation(cfg, backend, loader=loader, model=model, output_dir=output_dir, metrics=metrics,
-                      flow_shift=flow_shift)
+                      flow_shift=flow_shift, lora=lora)

@@ -157,3 +157,25 @@ def test_forward_backward_scales_the_gradient() -> None:
         forward_backward(model, objective, batch, backend, scale)
         grads.append(model.proj_out.weight.grad.clone())
     torch.testing.assert_close(grads[1], grads[0] * 0.25)
+
+
+def test_a_resume_from_an_earlier_checkpoint_logs_every_step_once(features: Path, tmp_path: Path) -> None:
+    """Steps 4-6 ran (and were logged) after the checkpoint at 3; a run resumed from step 3 logs
+    them again: metrics.jsonl and TensorBoard keep one record per step, the superseded lines
+    move to metrics-abandoned.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(tiny_config(features, tmp_path, log_every=1))
+    first = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    resumed = run(tiny_config(features, tmp_path, log_every=1,
+                              checkpoint__resume=str(tmp_path / "checkpoints" / "step-00000003")))
+    assert resumed.steps == 3
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[:3] == first[:3]  # what the resumed-from trajectory logged up to its checkpoint stays
+    assert records[5]["loss"] == pytest.approx(first[5]["loss"])  # and the resume recomputed the rest
+    abandoned = [json.loads(x)["step"] for x in (tmp_path / "metrics-abandoned.jsonl").read_text().splitlines()]
+    assert abandoned == [4, 5, 6]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]

@@ -59,6 +59,7 @@ from training.checkpoint.layout import (
 )
 from training.checkpoint.shards import ShardReader
 from training.errors import UserError
+from training.files import honour_umask
 
 _STEP_RE = STEP_RE
 _TMP_PREFIX = TMP_PREFIX
@@ -185,6 +186,7 @@ def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
         seen.add(ptr)
         own[key] = value
     save_file(own, str(path))
+    honour_umask(path)  # save_file writes 0600 whatever the umask (training/files)
     fsync_file(path)
 
 
