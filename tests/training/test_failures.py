@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
 from tests.training.fault_worker import FAULTS_ENV
+from tests.training.ranks import env, launch_ranks
 from training.checkpoint import MANIFEST, find_latest, verify
 from training.data import FeatureIndex, FeatureLoader, write_synthetic_features
 from training.failure import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR
@@ -65,10 +65,6 @@ def _train_args(features: Path, out: Path) -> list[str]:
             "--max-steps", "8", "--output-dir", str(out)]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **extra}
-
-
 def _marker(out: Path) -> dict:
     markers = sorted((out / ".failures").glob("*/rank-*.json"))
     assert len(markers) == 1, markers
@@ -91,7 +87,7 @@ def _alive(tag: str) -> list[int]:
 def _run_torchrun(nproc: int, worker: list[str], out: Path, logs: Path) -> tuple[int, float, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "--log-dir", str(logs), "--tee", "3", *worker]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -101,32 +97,6 @@ def _run_torchrun(nproc: int, worker: list[str], out: Path, logs: Path) -> tuple
         output, _ = proc.communicate()
         pytest.fail(f"torchrun still running after 240 s (a hang):\n{output[-4000:]}")
     return proc.returncode, time.time(), output
-
-
-def _run_direct(nproc: int, worker: list[str], out: Path) -> tuple[dict[int, int], dict[int, float], dict[int, str]]:
-    """One process per rank, no torchrun: (exit code, exit time, output) per rank."""
-    port = str(free_port())
-    procs = {}
-    for rank in range(nproc):
-        env = _env(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs[rank] = subprocess.Popen([sys.executable, *worker], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
-    codes: dict[int, int] = {}
-    ended: dict[int, float] = {}
-    deadline = time.monotonic() + 240
-    while len(codes) < nproc and time.monotonic() < deadline:
-        for rank, proc in procs.items():
-            if rank not in codes and proc.poll() is not None:
-                codes[rank], ended[rank] = proc.returncode, time.time()
-        time.sleep(0.05)
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-    outputs = {rank: proc.communicate()[0] for rank, proc in procs.items()}
-    assert len(codes) == nproc, f"ranks {sorted(set(procs) - set(codes))} still running after 240 s (a hang):\n" + \
-        "\n".join(f"--- rank {r}\n{o[-2000:]}" for r, o in outputs.items())
-    return codes, ended, outputs
 
 
 def _assert_checkpoints_whole(out: Path) -> None:
@@ -178,7 +148,8 @@ def test_one_rank_failing_after_the_first_checkpoint_ends_every_rank_in_seconds(
         assert f"rank      : {failing} (local_rank: {failing})" in root_cause, root_cause[:1500]
         outputs = {r: output for r in range(nproc)}
     else:
-        codes, ended, outputs = _run_direct(nproc, worker, out)
+        ranks = launch_ranks(nproc, worker)
+        codes, ended, outputs = ranks.codes, ranks.ended, ranks.outputs
         assert codes == {r: failed_code if r == failing else EXIT_PEER_FAILED for r in range(nproc)}, (
             codes, "\n".join(o[-1500:] for o in outputs.values()))
         marked = _marker(out)["time"]

@@ -296,3 +296,46 @@ def test_on_xla_validation_renders_on_the_host_and_changes_nothing_in_training(f
     assert results["on"]["compiles"] == 0  # the second validated run, graph cache warm
     assert sorted(p.name for p in (tmp_path / "on-0" / "validation").glob("*.png")) == [
         "step-00000002.png", "step-00000004.png"]
+
+
+def test_a_lora_run_with_validation_renders_the_adapted_model(features, tmp_path):
+    """validation.every_steps on a LoRA run: the gathered weights carry PEFT's names
+    (``...base_layer.weight``, ``...lora_A.default.weight``), so the render copy carries the
+    same adapters; what it draws equals the adapter merged into the base weights (what
+    ``export --lora-merge`` writes) and differs from the base alone."""
+    from training.lora import LoraConfig, is_adapter_key, merged_state_dict
+    from training.metrics import MetricsLogger
+
+    cfg = config(features, tmp_path / "run", 4, every_steps=2)
+    cfg.lora = LoraConfig(rank=2, alpha=4.0)
+    result = run(cfg)
+    assert result.steps == 4
+    assert sorted(p.name for p in (tmp_path / "run" / "validation").glob("step-*.png")) == [
+        "step-00000002.png", "step-00000004.png"]
+
+    model = result.model
+    with torch.no_grad():  # adapters far from zero, so base and base + adapter draw visibly apart
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn_like(p))
+    backend = GpuBackend(cfg.gpu, precision="fp32")
+    backend.init()
+    loader = FeatureLoader(features, batch_size=2, prefetch=0)
+    metrics = MetricsLogger(tmp_path / "m", enabled=True, tensorboard=False, total_steps=1)
+
+    def render(weights, lora, name):
+        validation = build_validation(ValidationConfig(every_steps=1, num_inference_steps=2, use_ema=False),
+                                      backend, loader=loader, model=model, output_dir=tmp_path / name,
+                                      metrics=metrics, flow_shift=3.0, lora=lora)
+        from PIL import Image
+
+        return np.asarray(Image.open(validation._render(1, weights))).astype(np.float32)
+
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    adapted = render(state, cfg.lora, "adapted")
+    merged = render(merged_state_dict(model), None, "merged")
+    base = render({k.replace(".base_layer.", "."): v for k, v in state.items() if not is_adapter_key(k)}, None,
+                  "base")
+    backend.close()
+    assert np.abs(adapted - merged).max() <= 2.0  # uint8 rounding of (almost) the same image
+    assert np.abs(adapted - base).mean() > 10 * max(np.abs(adapted - merged).mean(), 0.1)
