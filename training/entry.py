@@ -12,7 +12,7 @@ from typing import Any
 
 from training.backends.base import Backend
 from training.config import TrainConfig
-from training.failure import FailureBoard, PeerWatch, leave, peer_failed
+from training.failure import FailureBoard, PeerWatch, finish, leave, peer_failed
 from training.loop import train
 
 
@@ -60,5 +60,9 @@ def run(cfg: TrainConfig, backend: Backend, summary: Callable[[], dict[str, Any]
                               "output_dir": cfg.output_dir, **(summary() if summary else {})}), flush=True)
     finally:
         backend.close()
-    if result.stopped_by is not None:  # Slurm asked us to stop: say so in the exit code
-        raise SystemExit(128 + result.stopped_by)
+    code = 0 if result.stopped_by is None else 128 + result.stopped_by  # Slurm asked us to stop: say so
+    if distributed:
+        del result  # (the model: its process-group references go with it where torch lets them)
+        finish(code)  # no interpreter finalisation beside gloo's threads (training/failure/leave.py)
+    if code:
+        raise SystemExit(code)

@@ -246,6 +246,7 @@ def _train_cfg(features: Path, out: Path, max_steps: int, resume: str):
     })
 
 
+@pytest.mark.cpu_stress
 def test_training_on_buckets_resumes_bit_identically(tmp_path: Path, monkeypatch):
     features = tmp_path / "features"
     write_synthetic_features(features, num_samples=48, buckets={"0.75": (4, 6, 8), "1.0": (4, 8, 8)},

@@ -88,6 +88,7 @@ def latest_step(out: Path) -> int:
     return int(found.name.split("-")[1]) if found else 0
 
 
+@pytest.mark.cpu_stress
 def test_sigkill_mid_training_and_mid_checkpoint_write_then_resume_is_bit_identical(features, reference,
                                                                                        tmp_path):
     out = tmp_path / "run"

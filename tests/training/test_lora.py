@@ -156,6 +156,7 @@ def test_only_adapters_train_and_reach_the_optimizer(lora_run):
     assert in_opt == {id(p) for n, p in model.named_parameters() if is_adapter_key(n)}
 
 
+@pytest.mark.cpu_stress
 def test_resume_is_bit_identical(lora_run):
     """2 steps, stop, resume to 4 == 4 straight steps, bit for bit (the adapters)."""
     base, straight = lora_run

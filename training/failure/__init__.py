@@ -32,9 +32,10 @@ from training.failure.leave import (
     EXIT_USER_ERROR,
     LAST_OUT_S,
     PeerFailed,
+    finish,
     leave,
     peer_failed,
 )
 
 __all__ = ["EXIT_FAILED", "EXIT_PEER_FAILED", "EXIT_USER_ERROR", "LAST_OUT_S", "POLL_S", "Failure", "FailureBoard",
-           "PeerFailed", "PeerWatch", "leave", "peer_failed"]
+           "PeerFailed", "PeerWatch", "finish", "leave", "peer_failed"]

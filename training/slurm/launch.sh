@@ -413,6 +413,10 @@ run_job() {
   exec > >(tee -a "$SANA_JOB_LOG_DIR/job.log") 2>&1
   local tee_pid=$!
 
+  # --kill-on-bad-exit=1: "terminate a step if any task exits with a non-zero exit code"
+  # (srun(1), https://slurm.schedmd.com/srun.html#OPT_kill-on-bad-exit): one node's torchrun
+  # exiting after a rank failed ends the other nodes' tasks, the backstop behind the failure
+  # markers (training/failure/) for a rank that dies without one (SIGKILL, OOM killer).
   local -a srun_args=(--nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --label)
   if [[ -d $SANA_HYPERPOD_DIR ]]; then
     # HyperPod's Slurm plugin: on a hardware fault it replaces the node and reruns this srun
