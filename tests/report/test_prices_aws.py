@@ -58,14 +58,17 @@ def _item(sku: str, attributes: dict, usd: str, *, service: str, unit: str = "Hr
 #: and instanceType "NA" with the type at the end of usagetype
 HYPERPOD = {
     "ml.p5.48xlarge": ({"instanceName": "ml.p5.48xlarge", "instanceType": "ml.p5.48xlarge-Cluster",
-                        "usagetype": "USE1-Cluster:ml.p5.48xlarge", "platoinstancetype": "Cluster"}, "63.2960000000"),
+                        "usagetype": "USE1-Cluster:ml.p5.48xlarge", "platoinstancetype": "Cluster"}, "61.2340000000"),
     "ml.trn1.32xlarge": ({"instanceType": "ml.trn1.32xlarge-Cluster", "usagetype": "USE1-Cluster:ml.trn1.32xlarge",
-                          "platoinstancetype": "Cluster"}, "24.7250000000"),
+                          "platoinstancetype": "Cluster"}, "23.4560000000"),
     "ml.p4d.24xlarge": ({"instanceType": "NA", "usagetype": "USE1-Cluster:ml.p4d.24xlarge",
-                         "platoinstancetype": "Cluster"}, "25.2540000000"),
+                         "platoinstancetype": "Cluster"}, "24.5670000000"),
     "ml.g5.xlarge": ({"instanceName": "ml.g5.xlarge", "usagetype": "USE1-Cluster:ml.g5.xlarge",
                       "platoinstancetype": "Cluster"}, "1.4150000000"),  # not an accelerator we project: ignored
 }
+#: the stubbed HyperPod prices (made up, and unlike the shipped table's, so a report that used the
+#: table instead of the API fails the tests)
+P5_API, TRN1_API = (float(HYPERPOD[n][1]) for n in ("ml.p5.48xlarge", "ml.trn1.32xlarge"))
 #: EC2 Linux on-demand; p5 also has a Capacity Block SKU at another price, which must be dropped
 EC2 = {"p5.48xlarge": "55.0400000000", "trn1.32xlarge": "21.5000000000", "p5en.48xlarge": "63.2960000000"}
 
@@ -137,20 +140,28 @@ def test_prices_aws_against_the_stubbed_api_names_the_api_as_the_source(tmp_path
     # EC2 for comparison, the Capacity Block SKU dropped
     ec2 = {line.split(" | ")[0].strip("| "): line for line in prices.splitlines() if line.startswith("| p5.")}
     assert "$55.040" in ec2["p5.48xlarge"] and "AmazonEC2" in ec2["p5.48xlarge"] and "31.464" not in md
-    # the API had no HyperPod price for trn2: it keeps the shipped figure, and the report says so
-    assert "ml.trn2.48xlarge (no HyperPod (platoinstancetype=Cluster) product)" in md
-    assert "| ml.trn2.48xlarge | SageMaker HyperPod (ml.* instance price) | us-east-1 | $53.920 | price table |" in md
+    # the API had no HyperPod price for p5en: it keeps the shipped figure, and the report says so;
+    # trn2 has neither (the shipped table leaves it out): it is left out of the projection
+    assert "ml.p5en.48xlarge (no HyperPod (platoinstancetype=Cluster) product)" in md
+    shipped_p5en = SHIPPED.get("ml.p5en.48xlarge").usd_per_hour
+    assert (f"| ml.p5en.48xlarge | SageMaker HyperPod (ml.* instance price) | us-east-1 | ${shipped_p5en:,.3f} | "
+            "price table |") in md
+    assert "ml.trn2.48xlarge" not in SHIPPED.prices and "| ml.trn2.48xlarge |" not in md
     err = capsys.readouterr().err
-    assert "ml.trn2.48xlarge" in err and "Traceback" not in err
-    # the costs and the break-even use the fetched prices: (24.725 / (32 x 95)) / (63.296 / (8 x 989))
-    r = (24.725 / (32 * 95)) / (63.296 / (8 * 989))
+    assert "prices: no HyperPod price for " in err and "ml.trn2.48xlarge" in err and "Traceback" not in err
+    # the costs and the break-even use the fetched prices, not the shipped ones
+    r = (TRN1_API / (32 * 95)) / (P5_API / (8 * 989))
+    shipped_r = (SHIPPED.get("ml.trn1.32xlarge").usd_per_hour / (32 * 95)) / (SHIPPED.get("ml.p5.48xlarge").usd_per_hour
+                                                                            / (8 * 989))
+    assert f"{r:.2f}" != f"{shipped_r:.2f}"
     assert f"when its MFU is **{r:.2f}x** the GPU's" in md
-    assert f"${63.296 / (2400 * 3600) * 1e6:,.2f}" in md  # p5 run: 8 x 300 samples/s per instance
+    assert f"${P5_API / (2400 * 3600) * 1e6:,.2f}" in md  # p5 run: 8 x 300 samples/s per instance
+    assert f"${SHIPPED.get('ml.p5.48xlarge').usd_per_hour / (2400 * 3600) * 1e6:,.2f}" not in md
     # the fetch is cached with its time and the filters it used
     cache = json.loads((tmp_path / "cache" / "sana-training" / "prices-aws-us-east-1.json").read_text())
     assert cache["schema"] == aws_prices.CACHE_SCHEMA and cache["fetched_at"][:10] in md
     assert cache["requests"][0] == {"ServiceCode": "AmazonSageMaker", "Filters": aws_prices.hyperpod_filters("us-east-1")}
-    assert cache["hyperpod"]["ml.p5.48xlarge"]["usd_per_hour"] == 63.296
+    assert cache["hyperpod"]["ml.p5.48xlarge"]["usd_per_hour"] == P5_API
 
 
 def test_documented_example_parses(tmp_path):
@@ -202,7 +213,7 @@ def test_unreachable_endpoint_falls_back_and_then_uses_the_cache(tmp_path, capsy
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("prices:")]
     assert "EndpointConnectionError" in line and "using the cached fetch of " in line
     md = (tmp_path / "b" / "report.md").read_text()
-    assert "| ml.p5.48xlarge | SageMaker HyperPod (ml.* instance price) | us-east-1 | $63.296 | AWS Price List API " \
+    assert f"| ml.p5.48xlarge | SageMaker HyperPod (ml.* instance price) | us-east-1 | ${P5_API:,.3f} | AWS Price List API " \
            "(cached fetch) |" in md
 
 
@@ -254,7 +265,7 @@ def test_live_check_command_reports_what_the_filters_find(tmp_path, capsys, monk
         stub_api(stubber)
         assert aws_prices.main(["--cache", str(tmp_path / "c.json")]) == 0
     out = capsys.readouterr().out
-    assert "ml.p5.48xlarge       HyperPod $63.296/h sku HP000000000000 | EC2 $55.040/h" in out
+    assert f"ml.p5.48xlarge       HyperPod ${P5_API:,.3f}/h sku HP000000000000 | EC2 $55.040/h" in out
     assert "ml.trn2.48xlarge     HyperPod none: no HyperPod (platoinstancetype=Cluster) product | EC2 none" in out
     with Stubber(c) as stubber:  # the filter matches nothing: the offer file changed, exit 1
         stubber.add_response("get_products", {"PriceList": []})

@@ -71,14 +71,15 @@ def test_projection_matches_hand_computation(tmp_path, prices, preset, hw, insta
 
 
 def test_sana_600m_numbers_in_words():
-    """The headline of the issue, by hand: 0.947 TFLOP/sample, p5 at $113.07/h and 30% MFU."""
+    """By hand: 0.947 TFLOP/sample, p5 at the shipped table's price and 30% MFU."""
     a = projection.Assumptions()
     w = projection.workload("sana-600m-512", a)
+    usd = report.PriceTable.load(report.DEFAULT_PRICES).get("ml.p5.48xlarge").usd_per_hour
     p5 = projection.Platform(instance_type="ml.p5.48xlarge", backend="gpu", accelerator="H100-SXM", devices=8,
-                             peak_tflops=989.0, peak_source="", usd_per_hour=113.07, price_checked="", price_verified=False)
-    # 0.3 x 7912 TFLOP/s / 0.947 TFLOP = 2506 samples/s per instance -> $12.53 per million
+                             peak_tflops=989.0, peak_source="", usd_per_hour=usd, price_checked="", price_verified=False)
+    # 0.3 x 7912 TFLOP/s / 0.947 TFLOP = 2506 samples/s per instance -> USD/h / (2506 x 3600) x 1e6 per million
     assert projection.samples_per_s_per_instance(w, p5, 0.3) == pytest.approx(0.3 * 7912 / 0.9470, rel=1e-3)
-    assert projection.cost_per_million(w, p5, 0.3) == pytest.approx(113.07 / (2506.4 * 3600) * 1e6, rel=1e-3)
+    assert projection.cost_per_million(w, p5, 0.3) == pytest.approx(usd / (2506.4 * 3600) * 1e6, rel=1e-3)
 
 
 # ----- break-even: the closed form against a brute-force search ------------------------------

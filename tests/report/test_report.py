@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from bench_fixtures import make_result  # tests/report/bench_fixtures.py (rootdir on sys.path)
 from PIL import Image
 
@@ -79,6 +80,16 @@ def test_report_from_real_cpu_runs_matches_hand_computation(demo_comparison, tin
     assert "CPU runs (labelled, not placed on the chart" in proj
     assert "No accelerator run yet" in proj  # the CPU runs do not count as measurements
     assert "Against the projection" not in rec
+    # ...with the current break-even of the headline pair, computed by hand from the shipped
+    # table (16 Trainium1 chips x 190, 8 H100 x 989 dense bf16 TFLOP/s), and where each price came from
+    shipped = report.PriceTable.load(report.DEFAULT_PRICES)
+    trn1, p5 = shipped.get("ml.trn1.32xlarge"), shipped.get("ml.p5.48xlarge")
+    r = (trn1.usd_per_hour / (16 * 190)) / (p5.usd_per_hour / (8 * 989))
+    assert f"when its MFU is **{r:.2f}x** the GPU's" in proj
+    sources = md.split("## Prices and where they came from")[1].split("\n## ")[0]
+    for price in (trn1, p5):
+        row = next(line for line in sources.splitlines() if line.startswith(f"| {price.instance_type} |"))
+        assert f"${price.usd_per_hour:,.3f} | price table | {price.checked} (" in row and price.source in row
     _png_ok(md_path.parent / "projection.png")
 
 
@@ -116,7 +127,8 @@ def test_recommendation_scaling_and_mfu_against_hand_computation(tmp_path):
     assert f"{1e7 / 3200 / 3600:,.2f}" in md
     # capacity: 300 kB x 5760 samples/s = 1728 MB/s > 500 provisioned -> warning
     assert "1,728.000" in md and "more than provisioned" in md
-    assert "Unverified entries used" in md  # the shipped prices are unverified list prices
+    used = [prices.get(n) for n in ("ml.p5.48xlarge", "ml.trn1.32xlarge")]
+    assert ("Unverified entries used" in md) == any(not p.verified for p in used)
     for name in ("throughput", "cost", "mfu", "scaling"):
         _png_ok(out / f"{name}.png")
 
@@ -200,15 +212,29 @@ def test_bad_result_json_gives_one_line_naming_file_and_field(tmp_path, capsys, 
 def test_bad_prices_file_names_the_key(tmp_path, capsys):
     a, _ = _pair(tmp_path)
     prices = tmp_path / "p.yaml"
-    prices.write_text(PRICES.read_text().replace("usd_per_hour: 113.07", "usd_per_hour: free"))
+    data = yaml.safe_load(PRICES.read_text())
+    data["prices"]["ml.p5.48xlarge"]["usd_per_hour"] = "free"
+    prices.write_text(yaml.safe_dump(data))
     err = _fails([str(a), "--out", str(tmp_path / "o"), "--prices", str(prices)], capsys)
     assert "prices.ml.p5.48xlarge.usd_per_hour" in err
 
 
-def test_shipped_prices_cover_the_platform_instance_types():
+def test_shipped_prices_cover_every_hyperpod_instance_type_of_their_region():
+    """The shipped table prices exactly the accelerator instance types (training/flops.py) that
+    HyperPod sells in its region: the AWS::SageMaker::Cluster InstanceType values cfn-lint
+    derives per region from the AWS Price List (cfn-lint's update_specs_from_pricing; the
+    installed cfnlint/data/schemas/extensions/aws_sagemaker_cluster/instancetype_enum.json)."""
+    import cfnlint
+
+    from training import flops
+
     table = report.PriceTable.load(PRICES)
-    for name in ("ml.p5.48xlarge", "ml.p4d.24xlarge", "ml.p5e.48xlarge", "ml.trn1.32xlarge",
-                 "ml.trn1n.32xlarge", "ml.trn2.48xlarge"):
+    enum = json.loads((Path(cfnlint.__file__).parent / "data" / "schemas" / "extensions" / "aws_sagemaker_cluster"
+                       / "instancetype_enum.json").read_text())
+    sold = set(enum[table.region]["enum"]) & set(flops.INSTANCE_TYPES)
+    assert {"ml.p5.48xlarge", "ml.trn1.32xlarge"} <= sold
+    assert set(table.prices) == sold
+    for name in sold:
         price = table.get(name)
         assert price.usd_per_hour > 0 and price.source.startswith("https://") and re.match(r"\d{4}-\d\d-\d\d",
                                                                                             price.checked)

@@ -50,6 +50,12 @@ def test_demo_runs_every_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     md = (demo.out / "compare" / "report" / "report.md").read_text()
     assert re.search(r"Sources asked, in order: [^\n]*training/prices\.yaml\.", md), md
     assert "## Prices and where they came from" in md and "**Cost per sample:**" in md and "## Price scenarios" in md
+    from training.decision.prices import DEFAULT_PRICES, PriceTable
+
+    shipped = PriceTable.load(DEFAULT_PRICES)  # the break-even of the shipped prices, by hand
+    trn1, p5 = shipped.get("ml.trn1.32xlarge"), shipped.get("ml.p5.48xlarge")
+    assert f"when its MFU is **{(trn1.usd_per_hour / (16 * 190)) / (p5.usd_per_hour / (8 * 989)):.2f}x**" in md
+    assert trn1.source in md and p5.source in md
     if (Path(__file__).resolve().parents[2] / ".venv-xla" / "bin" / "python").exists():
         trn_steps = [json.loads(line)["step"] for line in (demo.out / "run-trn" / "metrics.jsonl").read_text().splitlines()]
         assert trn_steps[-1] == 12

@@ -10,14 +10,14 @@ whether someone verified it there. A figure older than ``MAX_AGE_DAYS`` or undat
 
 Layout (``prices`` is what the decision uses, ``ec2`` is optional)::
 
-    as_of: "2026-12-02"
+    as_of: "2026-12-04"
     currency: USD
     region: us-east-1
     prices:
-      ml.p5.48xlarge: {usd_per_hour: 113.07, service: hyperpod, source: URL, checked: "2025-05-01",
-                       verified: false, note: "..."}
+      ml.p5.48xlarge: {usd_per_hour: 63.296, service: hyperpod, source: URL, checked: "2026-04-21",
+                       verified: true, note: "what the source is"}
     ec2:
-      p5en.48xlarge: {usd_per_hour: 63.296, source: URL, checked: "2026-08-06", verified: true}
+      p5.48xlarge: {usd_per_hour: 55.04, source: URL, checked: "2026-01-21", verified: true}
 """
 
 from __future__ import annotations
