@@ -182,7 +182,7 @@ def test_a_recipe_runs_as_chained_jobs_resumes_after_a_failure_and_records_its_l
     train_line = rows["train"]["line"]
     assert "FAILED" in train_line and f"error: model.pretrained: {base} has no config.json" in train_line, status
     for stage in ("export", "report"):
-        assert "CANCELLED" in rows[stage]["line"] and "not run: train did not succeed" in rows[stage]["line"], status
+        assert "CANCELLED" in rows[stage]["line"] and "not run: train failed" in rows[stage]["line"], status
     assert len(status.splitlines()) == 1 + 2 + len(STAGES) + 1, status  # title, header + rule, a row each, summary
     assert not (stage_dir(user_dir, train_line) / "run.json").exists()
 

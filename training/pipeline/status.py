@@ -93,38 +93,43 @@ def stage_rows(site: Site, state: dict[str, Any]) -> list[dict[str, str]]:
     runs = {s["stage"]: finished_run(Path(s["dir"]), s["key"]) for s in stages}
     pending_ids = [s["job_id"] for s in stages if runs[s["stage"]] is None and s["job_name"] not in live]
     ended = slurm.finished_jobs(pending_ids)
-    rows, outcome = [], {}
+    rows: list[dict[str, str]] = []
+    root: dict[str, str] = {}  # stage that did not succeed -> the stage whose failure it comes from
+    what: dict[str, str] = {}  # that stage -> what happened to it ("failed", "was cancelled")
     for s in stages:
         output = next(iter(s["outputs"].values()))
         run = runs[s["stage"]]
         if run is not None:
-            outcome[s["stage"]] = "done"
             rows.append({"stage": s["stage"], "job": str(run["job"]["id"]), "state": "COMPLETED", "output": output,
                          "detail": f"finished {run['finished_at']} (run.json)"})
             continue
         if s["job_name"] in live:
             job = live[s["job_name"]]
-            outcome[s["stage"]] = "live"
             waiting = f"waiting: {job.reason}" if job.state == "PENDING" and job.reason not in ("", "None") else ""
             rows.append({"stage": s["stage"], "job": job.job_id, "state": job.state, "output": output,
                          "detail": waiting or "running"})
             continue
+        upstream = next((root[u] for u in s.get("after", []) if u in root), None)
+        root[s["stage"]] = upstream or s["stage"]
         job = ended.get(s["job_id"])
-        failed_before = [u for u in s.get("after", []) if outcome.get(u) == "failed"]
-        outcome[s["stage"]] = "failed"
         if job is None:
-            detail = (f"not run: {', '.join(failed_before)} did not succeed" if failed_before else
+            detail = (f"not run: {upstream} {what.get(upstream, 'did not finish')}" if upstream else
                       f"job {s['job_id']} is no longer known to Slurm and the stage has no run.json; submit again")
             rows.append({"stage": s["stage"], "job": s["job_id"], "state": "UNKNOWN", "output": output, "detail": detail})
             continue
-        if job.state == "CANCELLED" and (failed_before or job.reason == "DependencyNeverSatisfied"):
-            detail = f"not run: {', '.join(failed_before) or 'an earlier stage'} did not succeed ({job.reason or 'dependency'})"
-        elif job.state == "CANCELLED":
-            detail = "cancelled (scancel or `python -m training.pipeline cancel`)"
-        elif job.state == "COMPLETED":
-            detail = "the job ended but wrote no run.json; submit again to redo the stage"
+        if job.state == "CANCELLED" and (upstream or job.reason == "DependencyNeverSatisfied"):
+            # sbatch --kill-on-invalid-dep=yes: Slurm cancelled it when its dependency failed
+            detail = (f"not run: {upstream + ' ' + what.get(upstream, 'did not finish') if upstream else 'an earlier stage failed'} "
+                      "(its afterok dependency can never be satisfied)")
         else:
-            detail = failure_cause(site, s["job_name"], job)
+            root[s["stage"]] = s["stage"]
+            what[s["stage"]] = "was cancelled" if job.state == "CANCELLED" else "failed"
+            if job.state == "CANCELLED":
+                detail = "cancelled (scancel or `python -m training.pipeline cancel`)"
+            elif job.state == "COMPLETED":
+                detail = "the job ended but wrote no run.json; submit again to redo the stage"
+            else:
+                detail = failure_cause(site, s["job_name"], job)
         rows.append({"stage": s["stage"], "job": job.job_id, "state": job.state, "output": output, "detail": detail})
     return rows
 

@@ -1,0 +1,115 @@
+"""What counts as a finished stage, the submit lock, and the roots the launcher reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from training.errors import UserError
+from training.pipeline.record import record
+from training.pipeline.records import RUN_FORMAT, STAGE_FORMAT, finished_run, write_json_atomic
+from training.pipeline.site import PACKAGE_ROOT, resolve_site
+from training.pipeline.submit import submit_lock
+
+KEY = "ab" * 32
+
+
+def a_run(stage_dir: Path, output: Path) -> dict:
+    return {"format": RUN_FORMAT, "key": KEY, "stage": "precompute", "outputs": {"paths": {"features": str(output)}}}
+
+
+def test_only_a_whole_run_json_of_the_stages_key_with_its_outputs_present_is_finished(tmp_path: Path) -> None:
+    features = tmp_path / "features"
+    features.mkdir()
+    assert finished_run(tmp_path, KEY) is None  # nothing yet
+    run = a_run(tmp_path, features)
+    text = json.dumps(run)
+    (tmp_path / "run.json").write_text(text[: len(text) // 2])  # a torn write
+    assert finished_run(tmp_path, KEY) is None
+    (tmp_path / "run.json").unlink()
+    (tmp_path / ".run.json.tmp-123").write_text(text)  # a writer that died before its rename
+    assert finished_run(tmp_path, KEY) is None
+    write_json_atomic(tmp_path / "run.json", run)
+    assert finished_run(tmp_path, KEY) == run
+    assert finished_run(tmp_path, "cd" * 32) is None  # another key's record
+    features.rmdir()  # the output was deleted: the stage must run again
+    assert finished_run(tmp_path, KEY) is None
+
+
+def test_an_atomic_write_killed_midway_leaves_the_old_record_whole(tmp_path: Path) -> None:
+    target = tmp_path / "run.json"
+    write_json_atomic(target, {"version": 1})
+    # A child writing a big record is SIGKILLed while it writes (no rename happened).
+    code = (f"import sys; sys.path.insert(0, {str(PACKAGE_ROOT)!r})\n"
+            "from pathlib import Path\nfrom training.pipeline.records import write_json_atomic\n"
+            f"write_json_atomic(Path({str(target)!r}), {{'v': ['x' * 1000] * 10**6}})\n")
+    child = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".run.json.tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert json.loads(target.read_text()) == {"version": 1}
+
+
+def test_the_record_step_refuses_an_output_that_is_not_whole(tmp_path: Path, monkeypatch) -> None:
+    stage_dir = tmp_path / "sana-precompute-abababababab"
+    (stage_dir / "features").mkdir(parents=True)
+    (stage_dir / "features" / "shard-00000.tar").write_bytes(b"half")  # shards, but no index.json
+    spec = {"format": STAGE_FORMAT, "stage": "precompute", "key": KEY, "job_name": stage_dir.name,
+            "dir": str(stage_dir), "outputs": {"features": str(stage_dir / "features")}, "section": {}, "inputs": {},
+            "recipe": {"name": "t", "path": "/r.yaml", "sha256": "0", "content": {}},
+            "package": {"root": "/p", "hash": "h"}, "attempts": [{"job_id": "7", "submitted_at": "now"}]}
+    write_json_atomic(stage_dir / "stage.json", spec)
+    monkeypatch.setenv("SANA_RUN_DIR", str(stage_dir))
+    with pytest.raises(UserError, match=r"index.json: missing or not a .* index; the precompute did not finish"):
+        record(stage_dir / "stage.json")
+    assert not (stage_dir / "run.json").exists()
+    monkeypatch.setenv("SANA_RUN_DIR", str(tmp_path / "another-job-name"))
+    with pytest.raises(UserError, match="this job's directory is"):
+        record(stage_dir / "stage.json")
+
+
+def test_a_second_submit_waits_for_the_lock_and_gives_up_in_one_line(tmp_path: Path) -> None:
+    lock = tmp_path / "pipelines" / ".submit.lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        f"import sys, time; sys.path.insert(0, {str(PACKAGE_ROOT)!r})\n"
+        "from pathlib import Path\nfrom training.pipeline.submit import submit_lock\n"
+        f"with submit_lock(Path({str(lock)!r})):\n    print('held', flush=True)\n    time.sleep(60)\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        with pytest.raises(UserError) as info, submit_lock(lock, wait_s=1.0):
+            pass
+        assert 1.0 <= time.monotonic() - start < 10
+        assert str(info.value) == (f"{lock}: another submit has held the lock for 1 s; wait for it (or end it), "
+                                   "then submit again")
+    finally:
+        holder.kill()
+        holder.wait()
+    with submit_lock(lock, wait_s=5.0):  # released when its holder died, however it died
+        pass
+
+
+def test_the_roots_are_the_launchers_own_profile_then_environment(tmp_path: Path, monkeypatch) -> None:
+    """``launch.sh paths`` resolves the roots the way a job will: the node profile, then
+    what the submitting shell exported over it, then the /fsx defaults."""
+    profile = tmp_path / "profile.sh"
+    profile.write_text(f"export SANA_FSX={tmp_path}/fsx\nexport SANA_CHECKPOINT_ROOT={tmp_path}/fsx/ckpt\n")
+    for name in [n for n in os.environ if n.startswith("SANA_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("SANA_PROFILE", str(profile))
+    monkeypatch.setenv("SANA_LOG_ROOT", str(tmp_path / "my-logs"))
+    site = resolve_site()
+    assert site.checkpoint_root == tmp_path / "fsx" / "ckpt"
+    assert site.log_root == tmp_path / "my-logs"  # exported at submit: wins over the profile
+    assert site.package_root == PACKAGE_ROOT
+    assert site.package_hash.startswith("tree-") and len(site.package_hash) == len("tree-") + 12  # a checkout
