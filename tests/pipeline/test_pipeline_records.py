@@ -113,3 +113,20 @@ def test_the_roots_are_the_launchers_own_profile_then_environment(tmp_path: Path
     assert site.log_root == tmp_path / "my-logs"  # exported at submit: wins over the profile
     assert site.package_root == PACKAGE_ROOT
     assert site.package_hash.startswith("tree-") and len(site.package_hash) == len("tree-") + 12  # a checkout
+
+
+def test_the_users_checkpoint_directory_is_made_private_or_refused_like_launch_sh_own_dir(tmp_path: Path) -> None:
+    from training.pipeline.site import Site, current_user
+
+    site = Site(checkpoint_root=tmp_path / "my-root", log_root=tmp_path / "logs", package_root=PACKAGE_ROOT,
+                package_hash="h", user=current_user())
+    site.check_user_dir()  # a root of the user's own: the directory is made, 0700
+    assert site.user_dir.is_dir() and site.user_dir.stat().st_mode & 0o777 == 0o700
+    site.user_dir.chmod(0o770)
+    with pytest.raises(UserError, match=r"is not yours alone \(owner uid \d+, mode 770\)"):
+        site.check_user_dir()
+    site.user_dir.chmod(0o700)
+    if os.getuid() == 0:  # another user's directory where ours should be
+        os.chown(site.user_dir, 54321, 54321)
+        with pytest.raises(UserError, match=r"is not yours alone \(owner uid 54321"):
+            site.check_user_dir()

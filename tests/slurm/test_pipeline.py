@@ -5,7 +5,7 @@ root-owned, read-only package (<fsx>/platform/current) with the gpu env's Python
 stage is a real job of the package's own scripts through launch.sh (tiny models from
 training/tiny_components.py, six synthetic images, the tiny CPU preset on one rank).
 
-One story, in as few jobs as it can prove (8 run, 5 are cancelled):
+One story, in as few jobs as it can prove (8 run, 7 are cancelled):
 
 1. two submits of a recipe at once queue ONE chain of four jobs, each after the one before;
    the chain completes and every stage has its run.json;
@@ -16,7 +16,8 @@ One story, in as few jobs as it can prove (8 run, 5 are cancelled):
 4. the base model appears, the same recipe is submitted again: train, export and report
    complete (the train stage records both of its jobs);
 5. ``lineage`` of the export names the feature index hash and the package hash;
-6. ``cancel`` of a third recipe's fresh chain cancels its queued jobs.
+6. ``cancel`` of a third recipe's fresh chain cancels its queued jobs;
+7. a submit whose sbatch fails half-way (no such partition) cancels what it had queued.
 """
 
 # ruff: noqa: F811  (pytest fixtures: `site` is imported from test_train_jobs and requested by name)
@@ -103,7 +104,7 @@ def inputs(site: Site) -> dict[str, Path]:
     return {"raw": scratch / "raw", **models, "scratch": scratch}
 
 
-def write_recipe(site: Site, inputs: dict[str, Path], name: str, **overrides) -> Path:
+def write_recipe(site: Site, inputs: dict[str, Path], name: str, sections: dict | None = None, **overrides) -> Path:
     recipe = {
         "name": name,
         "source": {"raw": str(inputs["raw"])},
@@ -114,6 +115,7 @@ def write_recipe(site: Site, inputs: dict[str, Path], name: str, **overrides) ->
                   "overrides": {"max_steps": 20, "checkpoint.every_steps": 10, "log_every": 10,
                                 "tensorboard": False, **overrides}},
         "export": {"dtype": "fp32"},
+        **(sections or {}),
     }
     path = site.submit_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
@@ -219,4 +221,15 @@ def test_a_recipe_runs_as_chained_jobs_resumes_after_a_failure_and_records_its_l
     ended = wait_chain(cluster, queued)
     assert all(info["JobState"] == "CANCELLED" for info in ended.values()), ended
     assert re.search(r"^train\s+\d+\s+CANCELLED", run(cluster, site, "status", "tiny-lr"), re.M)
+
+    # 7. sbatch refuses a stage half-way: the jobs this submit had queued are cancelled.
+    bad = write_recipe(site, inputs, "tiny-bad", {"report": {"partition": "nosuch"}}, **{"optim.lr": 2.0e-3})
+    out = run(cluster, site, "submit", str(bad), ok=False)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "stage report: sbatch report.sbatch: " in errors[0], out
+    assert "Invalid partition name specified" in errors[0], out
+    undone = re.search(r"cancelled the 2 job\(s\) this submit queued \((\d+), (\d+)\)$", errors[0])
+    assert undone, errors
+    ended = wait_chain(cluster, list(undone.groups()))
+    assert all(info["JobState"] == "CANCELLED" for info in ended.values()), ended
     cluster.wait_node_idle(timeout=120)

@@ -37,13 +37,19 @@ def _flat(prefix: str, value: Any) -> list[str]:
     return [f"{prefix}={json.dumps(value)}"]
 
 
+def _attempts(stage: dict[str, Any]) -> str:
+    """", attempts 4712, 4720": every job queued for the stage (failed, cancelled, the last)."""
+    jobs = stage.get("jobs") or []
+    return f" (attempts {', '.join(jobs)})" if len(jobs) > 1 else ""
+
+
 def render_lineage(doc: dict[str, Any], *, config: bool = False) -> str:
     recipe = doc["recipe"]
     lines = [f"recipe {recipe['name']}: {recipe['path']} (sha256 {recipe['sha256']})"]
     for s in doc["stages"]:
         out = s["outputs"]
         lines.append(f"{s['stage']}: key {s['key']}")
-        lines.append(f"  jobs {', '.join(s.get('jobs') or [s['job']['id']])} by {s['user']}, finished {s['finished_at']}")
+        lines.append(f"  job {s['job']['id']}{_attempts(s)} by {s['user']}, finished {s['finished_at']}")
         lines.append(f"  package {s['package']['hash']} ({s['package']['root']})")
         lines.append(f"  env {s['env']['hash'] or 'none'} ({s['env']['path']})")
         lines.append(f"  output {next(iter(out['paths'].values()))}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,11 +39,30 @@ def _produced(stage: str, out: dict[str, Any]) -> str:
 
 
 def _lineage_rows(stages: list[dict[str, Any]]) -> list[str]:
-    lines = ["| stage | key | jobs | package | env | produced |", "|---|---|---|---|---|---|"]
+    lines = ["| stage | key | job | package | env | produced |", "|---|---|---|---|---|---|"]
     for s in stages:
-        lines.append(f"| {s['stage']} | `{s['key'][:SHORT]}` | {', '.join(s['jobs']) or s['job']['id']} | "
+        attempts = f" (attempts {', '.join(s['jobs'])})" if len(s.get("jobs") or []) > 1 else ""
+        lines.append(f"| {s['stage']} | `{s['key'][:SHORT]}` | {s['job']['id']}{attempts} | "
                      f"`{s['package']['hash']}` | `{s['env']['hash'] or 'none'}` | {_produced(s['stage'], s['outputs'])} |")
     return lines
+
+
+def cost_lines(bench: dict[str, Any], out: Path, *, samples: int, epochs: float) -> list[str]:
+    """The bench's numbers and training.report's cost-performance report of it in ``out``. The
+    cost part is optional: an instance type the price table lacks is a WARN line in the report
+    and the log, never a failed report (the bench numbers stay)."""
+    from training.report import Options
+    from training.report import build as cost_report
+
+    lines = ["## Throughput and cost", "", f"- {bench['samples_per_s']:.2f} samples/s on {bench['nodes']} x "
+             f"{bench['instance_type']}, MFU {bench['mfu']}"]
+    try:
+        cost = cost_report([bench["paths"]["bench"]], out, opts=Options(dataset_samples=samples, epochs=epochs))
+    except UserError as exc:
+        print(f"WARN: report: no cost section: {exc}", file=sys.stderr, flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+        return [*lines, f"- WARN: no cost section: {exc}", ""]
+    return [*lines, f"- [cost-performance report](cost/{cost.name}): {samples} samples x {epochs:g} epochs", ""]
 
 
 def build(spec: dict[str, Any], out: Path) -> Path:
@@ -68,7 +88,7 @@ def build(spec: dict[str, Any], out: Path) -> Path:
               f"- index.json sha256: `{pre['outputs']['feature_index_sha256']}`",
               f"- text conditioning: CHI `{tc.get('chi', '?')}`, {tc.get('max_text_tokens', '?')} tokens", ""]
     config = train.get("config") or {}
-    lines += ["## Training", "", f"- run: `{train['outputs']['paths']['run_dir']}` (jobs {', '.join(train['jobs'])})",
+    lines += ["## Training", "", f"- run: `{train['outputs']['paths']['run_dir']}` (job {train['job']['id']})",
               f"- model: preset `{config.get('model', {}).get('preset')}`"
               + (f", from `{config['model']['pretrained']}`" if config.get("model", {}).get("pretrained") else "")
               + (f", LoRA rank {config['lora']['rank']}" if config.get("lora", {}).get("rank") else ""),
@@ -82,15 +102,8 @@ def build(spec: dict[str, Any], out: Path) -> Path:
               f"of `{export['outputs']['checkpoint']}`, {export['outputs']['dtype']}",
               *(f"- `{name}` sha256 `{digest}`" for name, digest in export["outputs"]["files_sha256"].items()), ""]
     if "bench" in inputs:
-        from training.report import Options
-        from training.report import build as cost_report
-
-        bench = inputs["bench"]["outputs"]
-        cost = cost_report([bench["paths"]["bench"]], tmp / "cost",
-                           opts=Options(dataset_samples=pre["outputs"]["samples"],
-                                        epochs=float(spec["section"].get("epochs", 1.0))))
-        lines += ["## Throughput and cost", "", f"- {bench['samples_per_s']:.2f} samples/s on {bench['nodes']} x "
-                  f"{bench['instance_type']}, MFU {bench['mfu']}", f"- [cost-performance report](cost/{cost.name})", ""]
+        lines += cost_lines(inputs["bench"]["outputs"], tmp / "cost", samples=pre["outputs"]["samples"],
+                            epochs=float(spec["section"].get("epochs", 1.0)))
     (tmp / "report.md").write_text("\n".join(lines) + "\n")
     if out.exists():
         shutil.rmtree(out)

@@ -54,13 +54,23 @@ class Site:
         return self.log_root / self.user / f"{job_name}-{job_id}.out"
 
     def check_user_dir(self) -> None:
-        """The user's own checkpoint directory must exist and be theirs (launch.sh own_dir)."""
+        """The user's own checkpoint directory, as launch.sh own_dir has it: made (0700) where the
+        user may (a root of their own), else it must exist, be a directory and be theirs alone."""
         path = self.user_dir
+        if not path.exists() and not path.is_symlink():
+            try:
+                self.checkpoint_root.mkdir(parents=True, exist_ok=True)
+                path.mkdir(mode=0o700)
+            except OSError:
+                raise UserError(f"{path} does not exist: the lifecycle makes $SANA_CHECKPOINT_ROOT/<user> for every "
+                                "cluster user (runbooks/users.md), or set SANA_CHECKPOINT_ROOT to a directory of "
+                                "yours") from None
         if not path.is_dir() or path.is_symlink():
-            raise UserError(f"{path} does not exist: the lifecycle makes $SANA_CHECKPOINT_ROOT/<user> for every "
-                            "cluster user (runbooks/users.md), or set SANA_CHECKPOINT_ROOT to a directory of yours")
-        if path.stat().st_uid != os.getuid():
-            raise UserError(f"{path} is not yours (owner uid {path.stat().st_uid}); it must be your own "
+            raise UserError(f"{path} is not a directory; it must be your own directory (SANA_CHECKPOINT_ROOT)")
+        info = path.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            raise UserError(f"{path} is not yours alone (owner uid {info.st_uid}, mode {info.st_mode & 0o777:o}): "
+                            "another user could change what the chain's jobs read there; it must be your own "
                             "directory (SANA_CHECKPOINT_ROOT)")
 
 
