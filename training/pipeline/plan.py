@@ -140,9 +140,10 @@ def build_plan(recipe: Recipe, recipe_path: Path, tree: dict[str, Any], site: Si
     """Every stage of ``recipe`` with its key, in submission order."""
     stages: dict[str, Stage] = {}
 
-    def add(name: str, *, section: dict[str, Any], reads: tuple[str, ...], after: tuple[str, ...], script: Path,
-            args_for, options: list[str], outputs_for, env: dict[str, str] | None = None) -> Stage:
-        key = stage_key(name, section, {u: stages[u].key for u in reads}, site.package_hash)
+    def add(name: str, *, section: dict[str, Any], after: tuple[str, ...], script: Path, args_for,
+            options: list[str], outputs_for, env: dict[str, str] | None = None) -> Stage:
+        """One stage: it reads the outputs of ``after`` (their keys enter its own) and waits on their jobs."""
+        key = stage_key(name, section, {u: stages[u].key for u in after}, site.package_hash)
         job_name = f"{JOB_PREFIX}{name}-{key[:SHORT]}"
         directory = site.stage_dir(job_name)
         outputs = outputs_for(directory)
@@ -172,7 +173,7 @@ def build_plan(recipe: Recipe, recipe_path: Path, tree: dict[str, Any], site: Si
             args += ["--validation-prompts", recipe.evaluation.validation_prompts]
         return args
 
-    precompute = add("precompute", section=pre_section, reads=(), after=(), script=site.slurm_dir / SCRIPTS["precompute"],
+    precompute = add("precompute", section=pre_section, after=(), script=site.slurm_dir / SCRIPTS["precompute"],
                      args_for=precompute_args, options=_resources(pre, "gpu", recipe, pre.nodes),
                      outputs_for=lambda d: {"features": str(d / "features")})
     features = precompute.outputs["features"]
@@ -182,12 +183,11 @@ def build_plan(recipe: Recipe, recipe_path: Path, tree: dict[str, Any], site: Si
     # Resolved with placeholders for the two paths the chain decides: the key must not depend
     # on a directory named after the key itself.
     resolved = resolve_train_config(recipe, config, data_path="<precompute features>", output_dir="<train stage>")
-    for name in ("output_dir",):
-        resolved.pop(name)
+    resolved.pop("output_dir")
     resolved["data"].pop("path")
     overrides = [x for k, v in train.overrides.items() for x in ("--set", set_arg(k, v))]
     train_section = {"backend": train.backend, "nodes": train.nodes, "config": resolved}
-    add("train", section=train_section, reads=("precompute",), after=("precompute",),
+    add("train", section=train_section, after=("precompute",),
         script=site.slurm_dir / TRAIN_SCRIPTS[train.backend],
         args_for=lambda d, out: [str(config), "--set", f"data.path={features}", *overrides],
         options=_resources(train, train.default_partition, recipe, train.nodes),
@@ -196,7 +196,7 @@ def build_plan(recipe: Recipe, recipe_path: Path, tree: dict[str, Any], site: Si
     bench = recipe.evaluation.bench
     if bench is not None:
         bench_section = {**hashed_fields(bench), "backend": train.backend, "config": resolved}
-        add("bench", section=bench_section, reads=("precompute",), after=("precompute",),
+        add("bench", section=bench_section, after=("precompute",),
             script=site.slurm_dir / SCRIPTS["bench"],
             args_for=lambda d, out: [str(config), "--set", f"data.path={features}", *overrides,
                                      "--steps", str(bench.steps), "--warmup", str(bench.warmup),
@@ -208,7 +208,7 @@ def build_plan(recipe: Recipe, recipe_path: Path, tree: dict[str, Any], site: Si
             env={"SANA_BENCH_BACKEND": train.backend})
 
     export = recipe.export
-    add("export", section=hashed_fields(export), reads=("train",), after=("train",),
+    add("export", section=hashed_fields(export), after=("train",),
         script=site.slurm_dir / SCRIPTS["export"],
         args_for=lambda d, out: [str(stages["train"].dir), "--out", out["model"], "--overwrite", "--dtype", export.dtype,
                                  *(["--ema"] if export.ema else []), *(["--lora-merge"] if export.lora_merge else [])],
@@ -216,7 +216,7 @@ def build_plan(recipe: Recipe, recipe_path: Path, tree: dict[str, Any], site: Si
 
     report = recipe.report
     reads = ("export", "bench") if bench is not None else ("export",)
-    add("report", section=hashed_fields(report), reads=reads, after=reads, script=site.slurm_dir / SCRIPTS["report"],
+    add("report", section=hashed_fields(report), after=reads, script=site.slurm_dir / SCRIPTS["report"],
         args_for=lambda d, out: ["--stage", str(d / STAGE_FILE)],
         options=_resources(report, "gpu", recipe, 1), outputs_for=lambda d: {"report": str(d / "report")})
 

@@ -86,7 +86,12 @@ def finished_jobs(job_ids: Iterable[str]) -> dict[str, JobState]:
     found: dict[str, JobState] = {}
     if not ids:
         return found
-    proc = _run(["sacct", "-X", "-n", "-P", "-j", ",".join(ids), "-o", "JobID,JobName,State,ExitCode,Reason"])
+    try:
+        # Accounting off ("Slurm accounting storage is disabled") or slurmdbd down: scontrol below.
+        proc = _run(["sacct", "-X", "-n", "-P", "-j", ",".join(ids), "-o", "JobID,JobName,State,ExitCode,Reason"],
+                    timeout=30)
+    except SlurmError:
+        proc = subprocess.CompletedProcess([], 1, "", "")
     if proc.returncode == 0:
         for line in proc.stdout.splitlines():
             parts = line.split("|")
