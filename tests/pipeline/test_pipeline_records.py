@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -59,15 +60,53 @@ def test_an_atomic_write_killed_midway_leaves_the_old_record_whole(tmp_path: Pat
     assert json.loads(target.read_text()) == {"version": 1}
 
 
-def test_the_record_step_refuses_an_output_that_is_not_whole(tmp_path: Path, monkeypatch) -> None:
+def precompute_stage(tmp_path: Path) -> Path:
+    """A precompute stage's directory and stage.json as submit writes them; returns the stage file."""
     stage_dir = tmp_path / "sana-precompute-abababababab"
     (stage_dir / "features").mkdir(parents=True)
-    (stage_dir / "features" / "shard-00000.tar").write_bytes(b"half")  # shards, but no index.json
     spec = {"format": STAGE_FORMAT, "stage": "precompute", "key": KEY, "job_name": stage_dir.name,
             "dir": str(stage_dir), "outputs": {"features": str(stage_dir / "features")}, "section": {}, "inputs": {},
             "recipe": {"name": "t", "path": "/r.yaml", "sha256": "0", "content": {}},
             "package": {"root": "/p", "hash": "h"}, "attempts": [{"job_id": "7", "submitted_at": "now"}]}
     write_json_atomic(stage_dir / "stage.json", spec)
+    return stage_dir / "stage.json"
+
+
+def test_the_record_step_writes_run_json_with_the_feature_index_hash_and_the_jobs_provenance(tmp_path: Path) -> None:
+    from training.data import write_synthetic_features
+
+    stage_file = precompute_stage(tmp_path)
+    features = stage_file.parent / "features"
+    write_synthetic_features(features, num_samples=4, samples_per_shard=2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SANA_", "SLURM_"))}
+    env.update(SANA_RUN_DIR=str(stage_file.parent), SANA_PACKAGE_ROOT="/fsx/platform/3f2a9c1d0b7e",
+               SANA_PACKAGE_HASH="3f2a9c1d0b7e", SANA_ENV_PATH="/fsx/envs/gpu-a1b2", SANA_ENV_HASH="a1b2",
+               SLURM_JOB_ID="4711", SLURM_RESTART_COUNT="1", SANA_STEP_STARTED_AT="2026-01-01T00:00:00Z")
+    proc = subprocess.run([sys.executable, "-m", "training.pipeline", "record", str(stage_file)], env=env,
+                          capture_output=True, text=True, cwd=PACKAGE_ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    run = finished_run(stage_file.parent, KEY)
+    assert run is not None
+    assert run["outputs"]["feature_index_sha256"] == hashlib.sha256((features / "index.json").read_bytes()).hexdigest()
+    assert (run["outputs"]["samples"], run["outputs"]["shards"]) == (4, 2)
+    assert run["package"] == {"root": "/fsx/platform/3f2a9c1d0b7e", "hash": "3f2a9c1d0b7e"}
+    assert run["env"] == {"path": "/fsx/envs/gpu-a1b2", "hash": "a1b2"}
+    assert (run["job"]["id"], run["job"]["restarts"], run["started_at"]) == ("4711", 1, "2026-01-01T00:00:00Z")
+    assert [entry["stage"] for entry in run["lineage"]] == ["precompute"]
+
+    # A file system that refuses the write: one line naming the file, no run.json.
+    (stage_file.parent / "run.json").unlink()
+    (stage_file.parent / "run.json").mkdir()
+    (stage_file.parent / "run.json" / "x").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "training.pipeline", "record", str(stage_file)], env=env,
+                          capture_output=True, text=True, cwd=PACKAGE_ROOT, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and proc.stderr.startswith("error: "), proc.stderr
+
+
+def test_the_record_step_refuses_an_output_that_is_not_whole(tmp_path: Path, monkeypatch) -> None:
+    stage_dir = precompute_stage(tmp_path).parent
+    (stage_dir / "features" / "shard-00000.tar").write_bytes(b"half")  # shards, but no index.json
     monkeypatch.setenv("SANA_RUN_DIR", str(stage_dir))
     with pytest.raises(UserError, match=r"index.json: missing or not a .* index; the precompute did not finish"):
         record(stage_dir / "stage.json")

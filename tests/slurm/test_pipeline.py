@@ -213,7 +213,8 @@ def test_a_recipe_runs_as_chained_jobs_resumes_after_a_failure_and_records_its_l
     assert doc["stages"][-1]["outputs"]["checkpoint"] == ft_train["outputs"]["checkpoint"]
 
     # 6. cancel: a third recipe's fresh chain, cancelled while queued.
-    third = write_recipe(site, inputs, "tiny-lr", **{"optim.lr": 5.0e-4})
+    # (a long run: its train job is surely still queued or running when cancel comes)
+    third = write_recipe(site, inputs, "tiny-lr", **{"optim.lr": 5.0e-4, "max_steps": 100000})
     out = run(cluster, site, "submit", str(third))
     queued = [table(out)[s]["job"] for s in STAGES[1:]]
     out = run(cluster, site, "cancel", "tiny-lr")

@@ -106,3 +106,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         for line in str(exc).splitlines():
             print(f"error: {line}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except OSError as exc:  # a full or failing file system: which file, and why, in one line
+        print(f"error: {exc.filename or args.command}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
