@@ -80,7 +80,39 @@ def test_launcher_names_an_unknown_kind(tmp_path):
     proc = subprocess.run(["bash", str(SLURM_DIR / "launch.sh"), "job", "cuda"], capture_output=True, text=True,
                           cwd=tmp_path)
     assert proc.returncode == 1
-    assert "unknown job kind 'cuda'; use gpu, trainium, precompile, precompute or bench" in proc.stderr
+    assert "unknown job kind 'cuda'; use gpu, trainium, precompile, precompute, bench, export or report" in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["export.sbatch", "report.sbatch"])
+def test_single_process_job_scripts_share_a_node_and_ask_for_no_accelerator(name):
+    """export and report run one process that needs no GPU: no --exclusive, no --gres, so a
+    pipeline's export does not hold a whole p5 (the pipeline passes its partition)."""
+    fields = header(SLURM_DIR / name)
+    assert (fields["partition"], fields["nodes"], fields["ntasks-per-node"]) == ("gpu", "1", "1")
+    assert "exclusive" not in fields and "gres" not in fields
+
+
+def test_an_export_step_runs_one_process_on_its_own_rendezvous_port(tmp_path):
+    """launch.sh node export: ONE worker whatever SANA_NPROC_PER_NODE says (a second rank would
+    write the same model), and torchrun --standalone (a free port: the node may be running a
+    training job on $SANA_RDZV_PORT). The env's python is a stand-in printing its argv."""
+    env_dir = tmp_path / "env"
+    (env_dir / "bin").mkdir(parents=True)
+    (env_dir / "bin" / "python").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$ARGV_OUT"\n')
+    (env_dir / "bin" / "python").chmod(0o755)
+    if shutil.which("scontrol") is None:
+        skip_or_fail("scontrol not installed; run `make setup`", required_by="SANA_REQUIRE_SLURM")
+    # `scontrol show hostnames` expands the node list locally; it only needs some slurm.conf.
+    (tmp_path / "slurm.conf").write_text("ClusterName=x\nSlurmctldHost=localhost\n")
+    env = launcher_env(tmp_path, SANA_ENV_PATH=str(env_dir), SANA_NPROC_PER_NODE="8", SLURM_JOB_NUM_NODES="2",
+                       SLURM_JOB_NODELIST="n[1-2]", SLURM_CONF=str(tmp_path / "slurm.conf"), SANA_RDZV_PORT="29500",
+                       SANA_JOB_LOG_DIR=str(tmp_path / "logs"), ARGV_OUT=str(tmp_path / "argv"))
+    proc = subprocess.run(["bash", str(SLURM_DIR / "launch.sh"), "node", "export", "/runs/x", "--out", "/m"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv[:5] == ["-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--standalone"]
+    assert argv[argv.index("-m", 1):] == ["-m", "training.export", "/runs/x", "--out", "/m"]
 
 
 def launcher_env(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Shared launcher behind the Sana Slurm job scripts (train-gpu, train-trainium, precompute,
-# bench). The .sbatch files only carry the #SBATCH header and call this script, so the
-# environment, the paths and the torchrun line are written once.
+# bench, export, report). The .sbatch files only carry the #SBATCH header and call this script,
+# so the environment, the paths and the torchrun line are written once.
 #
 #   launch.sh job  KIND [CONFIG] [ARGS...]   in the batch step (first node of the allocation):
 #                                            node profile, run/log dirs, then one task per node
 #                                            with srun (srun --auto-resume=1 on HyperPod)
 #   launch.sh node KIND [CONFIG] [ARGS...]   in every srun task: torchrun for this node
+#   launch.sh record KIND                    a pipeline stage's job, after its step succeeded:
+#                                            writes the stage's run.json (training/pipeline/)
+#   launch.sh paths                          outside a job: the roots and package a job of this
+#                                            package resolves, one KEY=VALUE a line
 #
-# KIND is gpu | trainium | precompile | precompute | bench. CONFIG is a YAML file (gpu, trainium, precompile, bench;
-# default: the 600M preset; precompute takes none); ARGS go to the entrypoint unchanged.
+# KIND is gpu | trainium | precompile | precompute | bench | export | report. CONFIG is a YAML
+# file (gpu, trainium, precompile, bench; default: the 600M preset; precompute, export and
+# report take none); ARGS go to the entrypoint unchanged. export and report run one process.
 # The job runs as the submitting user and writes only under $SANA_LOG_ROOT and
 # $SANA_CHECKPOINT_ROOT (the package tree is root's and read-only). The package and env are
 # resolved once per job and pinned for its reruns (pin_job_environment).
@@ -23,6 +28,7 @@ set -euo pipefail
 PACKAGE_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd -P)
 readonly PACKAGE_ROOT
 readonly LAUNCHER=$PACKAGE_ROOT/training/slurm/launch.sh
+readonly KINDS_TEXT="gpu, trainium, precompile, precompute, bench, export or report"
 
 die() {
   echo "launch.sh: $*" >&2
@@ -118,14 +124,23 @@ bench_backend() {
   echo "$backend"
 }
 
-# The accelerator family a kind runs on: precompute needs GPUs (DC-AE + Gemma-2).
+# The accelerator family a kind runs on: precompute needs GPUs (DC-AE + Gemma-2). export and
+# report need no accelerator, only an env with the package's libraries: the partition's
+# (both envs carry diffusers; the Neuron env has no matplotlib, so a report with bench charts
+# belongs on gpu).
 accelerator_of() {
   case $1 in
     trainium | precompile) echo neuron ;;
     bench) [[ $(bench_backend) == trainium ]] && echo neuron || echo gpu ;;
+    export | report) [[ ${SLURM_JOB_PARTITION:-} == trn ]] && echo neuron || echo gpu ;;
     gpu | precompute) echo gpu ;;
-    *) die "unknown job kind '$1'; use gpu, trainium, precompile, precompute or bench" ;;
+    *) die "unknown job kind '$1'; use $KINDS_TEXT" ;;
   esac
+}
+
+# Kinds that run ONE process on one node (a second rank would write the same output).
+single_process() {
+  [[ $1 == export || $1 == report ]]
 }
 
 # Python environment: the CUDA env for GPU work, the Neuron env for Trainium.
@@ -164,6 +179,10 @@ count_neuron_cores() {
 # One torchrun worker per accelerator; SANA_NPROC_PER_NODE overrides (CPU tests, partial nodes).
 nproc_per_node() {
   local kind=$1 python=$2 count
+  if single_process "$kind"; then
+    echo 1
+    return 0
+  fi
   if [[ -n ${SANA_NPROC_PER_NODE:-} ]]; then
     [[ $SANA_NPROC_PER_NODE =~ ^[1-9][0-9]*$ ]] \
       || die "SANA_NPROC_PER_NODE=$SANA_NPROC_PER_NODE: not a positive integer"
@@ -377,6 +396,8 @@ entry_module() {
     trainium | precompile) echo training.trainium ;;
     precompute) echo training.precompute ;;
     bench) echo training.bench ;;
+    export) echo training.export ;;
+    report) echo training.pipeline.report ;;
   esac
 }
 
@@ -400,8 +421,10 @@ run_job() {
   mkdir -p "$SANA_JOB_LOG_DIR" || die "cannot create $SANA_JOB_LOG_DIR; check SANA_LOG_ROOT"
   # Training writes into a run directory named after the Slurm job name, NOT the job id, so
   # a resubmitted job with the same name finds its checkpoints and `--resume auto` goes on.
+  # A pipeline stage (SANA_PIPELINE_STAGE, training/pipeline/) of any kind keeps its output and
+  # run.json there too: its job name carries the stage's content hash.
   export SANA_RUN_DIR=$SANA_CHECKPOINT_ROOT/$user/$run_name
-  if [[ $kind == gpu || $kind == trainium ]]; then
+  if [[ $kind == gpu || $kind == trainium || -n ${SANA_PIPELINE_STAGE:-} ]]; then
     own_dir "$SANA_CHECKPOINT_ROOT" SANA_CHECKPOINT_ROOT >/dev/null || exit 1
     mkdir -p "$SANA_RUN_DIR" || die "cannot create $SANA_RUN_DIR; check SANA_CHECKPOINT_ROOT"
   fi
@@ -418,17 +441,20 @@ run_job() {
   # exiting after a rank failed ends the other nodes' tasks, the backstop behind the failure
   # markers (training/failure/) for a rank that dies without one (SIGKILL, OOM killer).
   local -a srun_args=(--nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --label)
+  if single_process "$kind"; then srun_args[0]=--nodes=1; fi
   if [[ -d $SANA_HYPERPOD_DIR ]]; then
     # HyperPod's Slurm plugin: on a hardware fault it replaces the node and reruns this srun
     # step in the same job; the entrypoint then resumes from the newest complete checkpoint.
     srun_args+=(--auto-resume=1)
   fi
 
+  local -a container_args=()
   if [[ -n ${SANA_CONTAINER_SQSH:-} ]]; then
     # pyxis (NVIDIA/pyxis): the task runs in the image; no home mount (enroot.conf too), the
     # launcher itself is reached through the FSx mount.
-    srun_args+=(--container-image="$SANA_CONTAINER_SQSH" --container-mounts="$(container_mounts "$kind")"
+    container_args=(--container-image="$SANA_CONTAINER_SQSH" --container-mounts="$(container_mounts "$kind")"
       --no-container-mount-home --container-writable)
+    srun_args+=("${container_args[@]}")
     echo "launch.sh: container image $SANA_CONTAINER_SQSH"
   fi
 
@@ -437,14 +463,26 @@ run_job() {
   echo "launch.sh: env $SANA_ENV_PATH requirements_hash=${SANA_ENV_HASH:-none (no .sana-env-ready: not built by lifecycle_scripts/python_env.sh)}"
   echo "launch.sh: logs $SANA_JOB_LOG_DIR"
   if [[ $kind == gpu || $kind == trainium ]]; then echo "launch.sh: run dir (checkpoints) $SANA_RUN_DIR"; fi
+  if [[ -n ${SANA_PIPELINE_STAGE:-} ]]; then echo "launch.sh: pipeline stage $SANA_PIPELINE_STAGE (output in $SANA_RUN_DIR)"; fi
   case $(accelerator_of "$kind") in
     gpu) echo "launch.sh: compile cache (inductor) ${SANA_FSX}/cache/inductor/$user" ;;
     neuron) echo "launch.sh: compile cache (neuron) ${NEURON_COMPILE_CACHE_URL:-none set: the Neuron default}" ;;
   esac
   echo "launch.sh: srun ${srun_args[*]}"
   local status=0
+  export SANA_STEP_STARTED_AT
+  SANA_STEP_STARTED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)
   srun "${srun_args[@]}" bash "$LAUNCHER" node "$kind" "$@" || status=$?
   echo "launch.sh: job $SLURM_JOB_ID step finished with exit code $status"
+  if [[ $status == 0 && -n ${SANA_PIPELINE_STAGE:-} ]]; then
+    # A pipeline stage (training/pipeline/): its run.json, the only mark of a finished stage,
+    # is written here, after every task of the step succeeded, never by a failed one. One
+    # task, in the same env or image as the step; it fails the job when the output is not
+    # what the stage promised (e.g. no final checkpoint).
+    echo "launch.sh: recording pipeline stage $SANA_PIPELINE_STAGE"
+    srun --nodes=1 --ntasks=1 --kill-on-bad-exit=1 "${container_args[@]}" bash "$LAUNCHER" record "$kind" || status=$?
+    echo "launch.sh: job $SLURM_JOB_ID record step finished with exit code $status"
+  fi
   exec >&- 2>&-
   wait "$tee_pid" || true # let tee flush job.log before Slurm reaps the job
   return "$status"
@@ -463,10 +501,11 @@ static_node_rank() {
   echo "$id"
 }
 
-run_node() {
-  local kind=$1
-  shift
-  local env_dir python package_root=$PACKAGE_ROOT
+# The Python and package root of this task (sets `python` and `package_root` of the caller):
+# the image's in container mode, else the env the batch step pinned.
+resolve_python() {
+  local kind=$1 env_dir
+  package_root=$PACKAGE_ROOT
   if [[ -n ${SANA_CONTAINER_SQSH:-} ]]; then
     # Inside the image: its venv and its package; provenance names the image's package hash
     # (SANA_IMAGE_PACKAGE_HASH in its image.env = its sana.package-hash label, containers/image.py).
@@ -483,6 +522,33 @@ run_node() {
     python=$env_dir/bin/python
     [[ -x $python ]] || die "$(hostname): no Python at $python; build the $kind env or point SANA_ENV_GPU/SANA_ENV_NEURON at one"
   fi
+}
+
+# The record step of a pipeline stage (run_job, after the step succeeded): run.json and the
+# lineage files, written by training/pipeline/record.py from $SANA_PIPELINE_STAGE.
+run_record() {
+  local kind=$1 python package_root
+  resolve_python "$kind"
+  export PYTHONPATH=$package_root${PYTHONPATH:+:$PYTHONPATH}
+  exec "$python" -m training.pipeline record "$SANA_PIPELINE_STAGE"
+}
+
+# Print the roots and package identity a job of this package resolves (load_node_profile,
+# apply_defaults, package_hash_of), so `python -m training.pipeline` places a chain's outputs
+# exactly where its jobs will write them. Outside a job; nothing is created.
+print_paths() {
+  load_node_profile >&2
+  apply_defaults
+  local name
+  for name in SANA_CHECKPOINT_ROOT SANA_LOG_ROOT SANA_DATA_ROOT; do printf '%s=%s\n' "$name" "${!name}"; done
+  printf 'SANA_PACKAGE_ROOT=%s\nSANA_PACKAGE_HASH=%s\n' "$PACKAGE_ROOT" "$(package_hash_of "$PACKAGE_ROOT")"
+}
+
+run_node() {
+  local kind=$1
+  shift
+  local python package_root
+  resolve_python "$kind"
 
   # Recomputed in every step, not inherited from the batch script: after a HyperPod node
   # replacement the rerun step may have a different first node.
@@ -490,9 +556,10 @@ run_node() {
   head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
   nproc=$(nproc_per_node "$kind" "$python")
 
-  # Training and bench take a YAML config (optional first argument); precompute has none.
+  # Training and bench take a YAML config (optional first argument); precompute, export
+  # (its first argument is the run to export) and report have none.
   local config=""
-  if [[ $kind != precompute ]]; then
+  if [[ $kind != precompute && $kind != export && $kind != report ]]; then
     if [[ $# -gt 0 && $1 != -* ]]; then
       config=$1
       shift
@@ -527,7 +594,11 @@ run_node() {
   # on it, and the root-comm address is built from the SAME $head, so the three agree by
   # construction; c10d would order nodes by its own store and could put rank 0 elsewhere.
   local -a world=(--rdzv-backend=c10d --rdzv-endpoint="$head:$SANA_RDZV_PORT" --rdzv-id="$SLURM_JOB_ID")
-  if [[ $(accelerator_of "$kind") == neuron ]]; then
+  if single_process "$kind"; then
+    # One process on a node it may share (no --exclusive): a rendezvous on its own free port
+    # (torchrun --standalone), never $SANA_RDZV_PORT, which a training job there may hold.
+    world=(--standalone)
+  elif [[ $(accelerator_of "$kind") == neuron ]]; then
     local node_rank
     node_rank=$(static_node_rank "$head") || exit 1
     world=(--node-rank="$node_rank" --master-addr="$head" --master-port="$SANA_RDZV_PORT")
@@ -556,9 +627,11 @@ run_node() {
     [[ -x $tool ]] || die "$(hostname): no neuron_parallel_compile at $tool; it comes with torch-neuronx (training/requirements-neuron.txt) in the Neuron env"
     wrap=("$tool")
   fi
-  echo "launch.sh: $node: ${wrap[*]:+${wrap[*]} }torchrun nnodes=$SLURM_JOB_NUM_NODES nproc_per_node=$nproc ${world[*]} -> ${entry[*]}"
+  local nnodes=$SLURM_JOB_NUM_NODES
+  if single_process "$kind"; then nnodes=1; fi
+  echo "launch.sh: $node: ${wrap[*]:+${wrap[*]} }torchrun nnodes=$nnodes nproc_per_node=$nproc ${world[*]} -> ${entry[*]}"
   exec "${wrap[@]}" "$python" -m torch.distributed.run \
-    --nnodes="$SLURM_JOB_NUM_NODES" \
+    --nnodes="$nnodes" \
     --nproc-per-node="$nproc" \
     "${world[@]}" \
     --max-restarts=0 \
@@ -569,17 +642,22 @@ run_node() {
 }
 
 main() {
-  [[ $# -ge 2 ]] || die "usage: launch.sh job|node KIND [CONFIG] [ARGS...]"
+  if [[ ${1:-} == paths ]]; then
+    print_paths
+    return 0
+  fi
+  [[ $# -ge 2 ]] || die "usage: launch.sh job|node|record KIND [CONFIG] [ARGS...], or launch.sh paths"
   local mode=$1
   shift
   case $1 in
-    gpu | trainium | precompile | precompute | bench) ;;
-    *) die "unknown job kind '$1'; use gpu, trainium, precompile, precompute or bench" ;;
+    gpu | trainium | precompile | precompute | bench | export | report) ;;
+    *) die "unknown job kind '$1'; use $KINDS_TEXT" ;;
   esac
   case $mode in
     job) run_job "$@" ;;
     node) run_node "$@" ;;
-    *) die "unknown mode '$mode'; use job or node" ;;
+    record) run_record "$1" ;;
+    *) die "unknown mode '$mode'; use job, node, record or paths" ;;
   esac
 }
 
