@@ -258,6 +258,8 @@ class PlatformConfig:
     """Capture requests and responses to the artefacts bucket (KMS-encrypted). Off: prompts may hold PHI."""
     containerRuntime: bool = True
     """enroot + pyxis on gpu, trn and login nodes (installed at boot where the AMI lacks them); false = none."""
+    privateNetwork: bool = False
+    """No internet egress: no NAT/internet gateway, interface endpoints for the AWS APIs, envs from the wheelhouse."""
 
     def __post_init__(self) -> None:
         if not PROJECT_NAME_RE.match(self.projectName):
@@ -314,6 +316,13 @@ class PlatformConfig:
         from stacks.serving_config import check_serving  # (imports ConfigError from here)
 
         check_serving(self)
+        if self.privateNetwork and self.serving:
+            # The endpoint runs in the cluster subnet and the inference toolkit pip-installs the
+            # package's code/requirements.txt when it starts (training/serve/package.py).
+            raise ConfigError("privateNetwork", True,
+                              "the serving endpoint installs code/requirements.txt from PyPI when it starts, "
+                              "which a subnet without internet egress cannot reach: set serving=false or "
+                              "privateNetwork=false (runbooks/deploy.md, \"Private network\")")
         if self.slurmAccounting and not self.continuousProvisioning:
             # AWS::SageMaker::Cluster schema, ClusterAccountingDatabase: "Supported only with
             # Continuous node provisioning."

@@ -60,8 +60,9 @@ def build_app(context: Mapping[str, Any] | None = None, *, outdir: str | None = 
     env = cdk.Environment(account=config.account or None, region=config.region or None)
     p = config.projectName
     # Construct ID = stack name, so `cdk deploy/destroy <project>-cluster` selects it.
+    egress = "no internet egress, interface endpoints" if config.privateNetwork else "NAT"
     network = NetworkStack(app, f"{p}-network", stack_name=f"{p}-network", env=env, config=config,
-                           description=f"{p}: VPC, cluster subnet, NAT, S3 endpoint, flow logs, EFA security group")
+                           description=f"{p}: VPC, cluster subnet, {egress}, S3 endpoint, flow logs, EFA security group")
     storage = StorageStack(app, f"{p}-storage", stack_name=f"{p}-storage", env=env, config=config,
                            network=network.network,
                            description=f"{p}: KMS key, data/artefacts/lifecycle buckets, FSx for Lustre")
