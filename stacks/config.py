@@ -419,8 +419,13 @@ class PlatformConfig:
         return cls(**values)
 
     def settings(self, *, region: str, data_bucket: str, artefacts_bucket: str, lifecycle_bucket: str,
-                 package_hash: str) -> dict[str, Any]:
-        """platform-settings.json, uploaded next to the lifecycle scripts; lifecycle_scripts/settings.sh reads it."""
+                 package_hash: str, image_registry: str = "",
+                 wheelhouses: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Any]:
+        """platform-settings.json, uploaded next to the lifecycle scripts; lifecycle_scripts/settings.sh reads it.
+
+        ``image_registry``: this account's ECR registry, the only one a private cluster pulls from;
+        ``wheelhouses``: env kind -> {prefix, lock_sha256, python} (stacks/wheelhouse.py), private only.
+        """
         return {
             "project": self.projectName,
             "cluster_name": self.clusterName,
@@ -439,6 +444,9 @@ class PlatformConfig:
             "home_root": HOME_ROOT,
             "slurm_accounting": self.slurmAccounting,
             "container_runtime": self.containerRuntime,
+            "private_network": self.privateNetwork,
+            "image_registry": image_registry,
+            "wheelhouses": {kind: dict(w) for kind, w in (wheelhouses or {}).items()},
         }
 
     @classmethod
