@@ -322,7 +322,7 @@ class PlatformConfig:
             raise ConfigError("privateNetwork", True,
                               "the serving endpoint installs code/requirements.txt from PyPI when it starts, "
                               "which a subnet without internet egress cannot reach: set serving=false or "
-                              "privateNetwork=false (runbooks/deploy.md, \"Private network\")")
+                              "privateNetwork=false (runbooks/private-network.md)")
         if self.slurmAccounting and not self.continuousProvisioning:
             # AWS::SageMaker::Cluster schema, ClusterAccountingDatabase: "Supported only with
             # Continuous node provisioning."
