@@ -72,7 +72,7 @@ def entry_for(wheel: Path) -> Entry:
 
 def write_lock(directory: Path, header: str) -> str:
     """``DIR/requirements.lock`` for every wheel in DIR; returns the lock's sha256."""
-    entries = [entry_for(w) for w in sorted(directory.glob("*.whl"))]
+    entries = sorted((entry_for(w) for w in directory.glob("*.whl")), key=lambda e: e.name)
     if not entries:
         raise LockError(f"{directory} holds no wheels")
     seen: dict[str, str] = {}

@@ -186,9 +186,15 @@ def finish(incoming: Path, *, kind: str, target: Target, root: Path = ROOT,
 
 
 def python_version(python: str) -> str:
-    """``3.11`` for the interpreter at ``python``."""
-    return subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    """``3.11`` for the interpreter at ``python``; WheelhouseError if it does not run."""
+    try:
+        done = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                              capture_output=True, text=True)
+    except OSError as err:
+        raise WheelhouseError(f"make wheelhouse: cannot run {python}: {err.strerror}") from None
+    if done.returncode != 0:
+        raise WheelhouseError(f"make wheelhouse: cannot run {python}: {(done.stderr.strip() or 'no output').splitlines()[-1]}")
+    return done.stdout.strip()
 
 
 def build(kind: str, target: Target = Target(), *, root: Path = ROOT, requirements: Path | None = None,

@@ -24,7 +24,7 @@ from aws_cdk import aws_s3_deployment as s3deploy
 from constructs import Construct
 
 from stacks.config import ConfigError, PlatformConfig
-from stacks.wheelhouse import Target, Wheelhouse, WheelhouseError, load
+from stacks.wheelhouse import UPLOAD_PART_BYTES, Target, Wheelhouse, WheelhouseError, load
 
 HANDLER_STORAGE_MIB = 10240
 HANDLER_MEMORY_MIB = 2048
@@ -55,11 +55,11 @@ class WheelhouseUpload(Construct):
     """One BucketDeployment per part of each wheelhouse (``deployments``)."""
 
     def __init__(self, scope: Construct, id: str, *, wheelhouses: dict[str, Wheelhouse],
-                 bucket: s3.IBucket) -> None:
+                 bucket: s3.IBucket, part_bytes: int = UPLOAD_PART_BYTES) -> None:
         super().__init__(scope, id)
         self.deployments: list[s3deploy.BucketDeployment] = []
         for kind, wheelhouse in wheelhouses.items():
-            parts = wheelhouse.upload_parts()
+            parts = wheelhouse.upload_parts(part_bytes)
             every = {p.name for p in wheelhouse.path.iterdir()}
             for number, names in enumerate(parts):
                 # Everything in the directory but this part's files (CDK's asset exclude globs).
