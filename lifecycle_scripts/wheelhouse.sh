@@ -44,8 +44,10 @@ wheelhouse_fetch() {
   wheelhouse_dir="$store/$(basename "$wheelhouse_prefix")"
   source="s3://$CFG_LIFECYCLE_BUCKET/$wheelhouse_prefix"
   if [[ ! -d $wheelhouse_dir ]]; then
-    mkdir -p "$store"
-    chmod 0755 "$store"
+    # Root's, never through a link (safe_fs.py); a download killed half-way (a node lost) left an
+    # incoming directory, removed here under the env's build lock, which the caller holds.
+    safe_fs dir "$FSX" 0:0 0755 wheelhouse
+    rm -rf "$store/.incoming-$(basename "$wheelhouse_prefix")".*
     incoming=$(mktemp -d "$store/.incoming-$(basename "$wheelhouse_prefix").XXXXXX")
     log "downloading the wheelhouse $source to $wheelhouse_dir"
     if ! out=$(s3_download_prefix "$source" "$incoming" "$CFG_REGION" 2>&1); then
