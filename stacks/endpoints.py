@@ -44,9 +44,19 @@ HYPERPOD_POLICY = ("awslabs/awsome-distributed-ai 1.architectures/5.sagemaker-hy
 SSM_ENDPOINTS_DOC = ("https://docs.aws.amazon.com/systems-manager/latest/userguide/"
                      "setup-create-vpc.html")
 
-#: Endpoint policy kinds: "perimeter" (this account's identities and resources), "identity" (this
-#: account's identities, any resource: no data-perimeter guidance for the service's resources),
-#: "none" (the service takes no endpoint policy: the default full-access one stays).
+#: Endpoint policy kinds:
+#: "perimeter": this account's identities on this account's resources; the data-perimeter
+#:   repository's service_specific_guidance/<service>-specific-guidance.md says the VPC-endpoint
+#:   resource perimeter needs no further exception for sts, logs, cloudwatch, kms, secretsmanager,
+#:   amp, and names the ones for ecr (service-owned repositories: not pulled from here) and ssm
+#:   (AWS-owned documents and public parameters, added below).
+#: "identity": this account's identities on any resource: sagemaker.api, for which that repository
+#:   has no guidance, so a resource condition could refuse a call HyperPod's tooling makes.
+#: "none": no policy, the default stays: ec2messages reports VpcEndpointPolicySupported false
+#:   (aws/aws-cli awscli/examples/ec2/describe-vpc-endpoint-services.rst), and for ssmmessages none is
+#:   documented; their actions take no resource (Service Authorization Reference, "Amazon Message
+#:   Gateway Service", "Amazon Message Delivery Service"), so there is no resource to bound, and
+#:   the execution role's managed policy limits them.
 POLICY_KINDS = ("perimeter", "identity", "none")
 #: When an endpoint exists: always, or only with a configuration key on.
 WHEN = ("always", "slurmAccounting", "observability")

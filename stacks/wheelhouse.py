@@ -18,11 +18,17 @@ The cluster stack uploads each wheelhouse the cluster needs to ``s3://<lifecycle
 <kind>-<key>/`` and names it, with the lock's sha256 and its Python, in platform-settings.json;
 lifecycle_scripts/python_env.sh installs from it with ``--no-index --require-hashes``.
 
-Why the build interpreter must be the nodes' Python: pip evaluates environment markers
-(``python_version < "3.12"``) with the interpreter it runs in, whatever ``--python-version`` says;
-``--python-version`` only selects wheel tags and ``Requires-Python``. And ``--platform`` takes the
-tags literally (a wheel tagged manylinux_2_28 is not picked for ``--platform manylinux_2_35``), so
-every tag a node's pip accepts is passed, newest first, as ``packaging.tags`` orders them.
+Why the build runs on Linux x86_64 with the nodes' Python: pip evaluates environment markers
+(``python_version < "3.12"``, torch's ``platform_machine == "x86_64"`` for its CUDA libraries) for
+the machine and interpreter it runs on, whatever ``--python-version``/``--platform`` say; those
+only select wheel tags and ``Requires-Python``. And ``--platform`` takes the tags literally (a
+wheel tagged manylinux_2_28 is not picked for ``--platform manylinux_2_35``), so every tag a
+node's pip accepts is passed, newest first, as ``packaging.tags`` orders them.
+
+The same versions as an online build: the wheels-only resolution can differ from what pip picks
+with an index (a newer release with only an sdist, which the online build would compile). So after
+the download the builder resolves the same requirements the online way (``pip install --dry-run
+--report``, same indexes) and refuses, in one line, any package whose version differs: pin it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -197,6 +204,38 @@ def python_version(python: str) -> str:
     return done.stdout.strip()
 
 
+def online_versions(kind: str, requirements: Path, *, python: str, env: dict[str, str] | None) -> dict[str, str]:
+    """name -> version that ``pip install -r requirements`` picks here with the kind's indexes (a dry run)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        done = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                               "--disable-pip-version-check", "--no-input", "--report", str(report),
+                               "-r", str(requirements),
+                               *[arg for index in INDEXES[kind] for arg in ("--extra-index-url", index)]],
+                              capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            errors = [line for line in (done.stderr + done.stdout).splitlines() if line.startswith("ERROR")]
+            raise WheelhouseError(f"make wheelhouse {kind}: the online resolution of {requirements.name} failed: "
+                                  f"{errors[-1] if errors else f'exit status {done.returncode}'}")
+        installs = json.loads(report.read_text())["install"]
+    return {lock.canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
+
+
+def compare_with_online(kind: str, incoming: Path, online: dict[str, str]) -> None:
+    """One-line WheelhouseError when the wheels differ from the online resolution."""
+    wheels = {}
+    for path in incoming.glob("*.whl"):
+        match = lock.WHEEL.match(path.name)
+        if match:
+            wheels[lock.canonical(match["name"])] = match["version"]
+    differ = [f"{name} {online.get(name, 'absent')} online, {wheels.get(name, 'absent')} as a wheel"
+              for name in sorted(set(online) | set(wheels)) if online.get(name) != wheels.get(name)]
+    if differ:
+        raise WheelhouseError(f"make wheelhouse {kind}: an online build would install other versions than the "
+                              f"wheels for the nodes ({'; '.join(differ)}): pin them in "
+                              f"training/requirements-{kind}.txt to versions that have wheels")
+
+
 def build(kind: str, target: Target = Target(), *, root: Path = ROOT, requirements: Path | None = None,
           python: str = sys.executable, env: dict[str, str] | None = None) -> tuple[Wheelhouse, bool]:
     """(the wheelhouse, whether it was downloaded now): cached by key, else ``python -m pip download``."""
@@ -206,6 +245,10 @@ def build(kind: str, target: Target = Target(), *, root: Path = ROOT, requiremen
         return load(kind, target, root=root, requirements=requirements), False
     except WheelhouseError:
         pass
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        raise WheelhouseError(f"make wheelhouse: runs on Linux x86_64 only (this is {sys.platform} "
+                              f"{platform.machine()}): pip resolves markers such as platform_machine for the machine "
+                              "it runs on; run it in a Linux x86_64 container or CI")
     running = python_version(python)
     if running != target.python:
         raise WheelhouseError(f"make wheelhouse: this pip runs on Python {running} but the nodes' envs use "
@@ -226,6 +269,7 @@ def build(kind: str, target: Target = Target(), *, root: Path = ROOT, requiremen
             cause = errors[-1] if errors else f"exit status {done.returncode}"
             raise WheelhouseError(f"make wheelhouse {kind}: pip download of {requirements.name} for CPython "
                                   f"{target.python} manylinux_{target.glibc.replace('.', '_')}_x86_64 failed: {cause}")
+        compare_with_online(kind, incoming, online_versions(kind, requirements, python=python, env=env))
         return finish(incoming, kind=kind, target=target, root=root, requirements=requirements), True
     except LockError as err:
         raise WheelhouseError(f"make wheelhouse {kind}: {err}") from None

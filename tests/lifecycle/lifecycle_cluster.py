@@ -279,15 +279,19 @@ def make_standins(bin_dir: Path) -> Path:
     return bin_dir
 
 
-def build_wheel(dist: Path, name: str) -> Path:
-    """A pure-Python wheel whose module `name` says it is a stand-in (pip installs it offline)."""
-    info = f"{name}-0.0.0.dist-info"
-    wheel = dist / f"{name}-0.0.0-py3-none-any.whl"
+def build_wheel(dist: Path, name: str, version: str = "0.0.0", *, requires: tuple[str, ...] = (),
+                tag: str = "py3-none-any") -> Path:
+    """A wheel whose module `name` says it is a stand-in (pip installs it offline), with the
+    dependencies (METADATA Requires-Dist, PEP 508 markers allowed) and the tag given (PEP 427)."""
+    info = f"{name}-{version}.dist-info"
+    wheel = dist / f"{name}-{version}-{tag}.whl"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr(f"{name}/__init__.py", f'"""Stand-in for {name} in lifecycle tests."""\nSTANDIN = "{name}"\n')
-        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.0\n")
-        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: sana-tests\nRoot-Is-Purelib: true\n"
-                                    "Tag: py3-none-any\n")
+        z.writestr(f"{info}/METADATA", metadata)
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: sana-tests\n"
+                                    f"Root-Is-Purelib: {'true' if tag.endswith('-none-any') else 'false'}\nTag: {tag}\n")
         z.writestr(f"{info}/RECORD", f"{name}/__init__.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
     return wheel
 

@@ -3,23 +3,31 @@ route out, and the same env as the online build.
 
 lifecycle_scripts/python_env.sh runs for real (venv, pip, the flock, the ready marker) in a pretend
 node (PLATFORM_ROOT) with the pretend cluster's stand-ins (lifecycle_cluster.py STANDINS: the `aws`
-CLI reads the lifecycle bucket from a local directory). The wheelhouse is built by the real
-stacks/wheelhouse.py from PyPI, from a small pinned set (the full CUDA set is several GB): a
-pure-Python package with dependencies, two manylinux wheels, and the stand-in `torch` the env step's
-import check needs (a local wheel, which the index builds find through PIP_FIND_LINKS, the way an
-index serves it: a path requirement would show as a direct URL in `pip freeze`). The private build runs under `unshare -n` (a new network namespace: only a
-loopback device, down), so any attempt to reach an index fails; the online build of the same
-requirements runs outside it, against PyPI, and both envs' `pip freeze` must be equal.
+CLI reads the lifecycle bucket from a local directory). The package index is a real one on
+loopback: a PEP 503 "simple" repository (https://peps.python.org/pep-0503/) served over HTTP on
+127.0.0.1, holding a small set made here (the real set is several GB, and tests reach nothing beyond
+loopback): a pinned package with dependencies, one unpinned with two releases (the resolver takes
+the newest), one behind a marker that is false on the nodes' Python, a manylinux wheel whose newer
+release needs a glibc newer than the nodes' and this machine's, and the stand-in `torch` the env
+step's import check needs. stacks/wheelhouse.py builds the wheelhouse from that index as
+`make wheelhouse` does from PyPI; the private build runs under `unshare -n` (a new network
+namespace: only a loopback device, down), so the index is out of reach; the online build of the
+same requirements runs outside it against the index, and both envs' `pip freeze` must be equal.
 """
 
 from __future__ import annotations
 
+import hashlib
+import html
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -32,9 +40,7 @@ SCRIPT = REPO / "lifecycle_scripts" / "python_env.sh"
 BUCKET = "sagemaker-sana-lc-test"
 REGION = "eu-west-1"
 PACKAGE = "pkgprivate01"
-#: Small, exactly pinned, with a dependency tree (requests -> certifi, charset-normalizer, idna,
-#: urllib3) and binary wheels (charset-normalizer, PyYAML are cp311 manylinux builds).
-PINS = "requests==2.32.3\nPyYAML==6.0.3\n"
+REQUIREMENTS = "# small test set (tests/lifecycle/test_private_env.py)\ntorch==0.0.0\nsana-app==1.0\n"
 
 pytestmark = [
     pytest.mark.slow,
@@ -43,34 +49,63 @@ pytestmark = [
 ]
 
 
-def pip_env() -> dict[str, str]:
-    """This machine's environment without its pip configuration (indexes, constraints, find-links):
-    the builds see PyPI, and only PyPI, as a node would."""
+def pip_env(index: str | None = None) -> dict[str, str]:
+    """This machine's environment without its pip configuration (indexes, constraints, find-links),
+    and the test's index, if any, as the only one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "SANA_", "LIFECYCLE_"))
            and k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_CACHE_DIR="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    if index:
+        env["PIP_INDEX_URL"] = index
     return env
 
 
 @pytest.fixture(scope="module")
-def standin_dist(tmp_path_factory) -> Path:
-    """Where the stand-in torch wheel is found (PIP_FIND_LINKS of the two builds that use an index)."""
-    dist = tmp_path_factory.mktemp("standin-wheels")
-    build_wheel(dist, "torch")
-    return dist
+def index(tmp_path_factory):
+    """A PEP 503 repository on 127.0.0.1: /simple/<project>/ lists the files with their sha256."""
+    root = tmp_path_factory.mktemp("index")
+    files = root / "files"
+    files.mkdir()
+    build_wheel(files, "torch")
+    build_wheel(files, "sana_app", "1.0", requires=("sana-dep>=1.0", "sana-native>=2.0",
+                                                     'sana-old; python_version < "3.8"'))
+    build_wheel(files, "sana_dep", "1.0")
+    build_wheel(files, "sana_dep", "1.1")  # unpinned: both builds must take the newest
+    build_wheel(files, "sana_old", "1.0")  # behind a marker that is false on 3.11
+    build_wheel(files, "sana_native", "2.0", tag="cp311-cp311-manylinux_2_17_x86_64")
+    build_wheel(files, "sana_native", "2.1", tag="cp311-cp311-manylinux_2_99_x86_64")  # no node has that glibc
+    projects: dict[str, list[Path]] = {}
+    for wheel in files.iterdir():
+        projects.setdefault(wheel.name.split("-")[0].replace("_", "-").lower(), []).append(wheel)
+    for project, wheels in projects.items():
+        page = root / "simple" / project
+        page.mkdir(parents=True)
+        links = "".join(f'<a href="../../files/{w.name}#sha256={hashlib.sha256(w.read_bytes()).hexdigest()}">'
+                        f"{html.escape(w.name)}</a>\n" for w in sorted(wheels))
+        (page / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{links}</body></html>\n")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(QuietHandler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/simple/"
+    server.shutdown()
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
 def requirements(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("package") / "requirements-gpu.txt"
-    path.write_text(f"# small test set (tests/lifecycle/test_private_env.py)\ntorch==0.0.0\n{PINS}")
+    path.write_text(REQUIREMENTS)
     return path
 
 
 @pytest.fixture(scope="module")
-def wheelhouse(tmp_path_factory, requirements, standin_dist) -> wh.Wheelhouse:
+def wheelhouse(tmp_path_factory, requirements, index) -> wh.Wheelhouse:
     built, downloaded = wh.build("gpu", requirements=requirements, root=tmp_path_factory.mktemp("wheelhouses"),
-                                 env={**pip_env(), "PIP_FIND_LINKS": str(standin_dist)})
+                                 env=pip_env(index))
     assert downloaded
     return built
 
@@ -115,16 +150,20 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0].removeprefix("ERROR: ")
 
 
-def test_the_namespace_has_no_route_out():
-    probe = "import socket; socket.create_connection(('151.101.0.223', 443), timeout=5)"  # a PyPI address
-    done = subprocess.run(["unshare", "--net", sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
-    assert done.returncode != 0 and "Network is unreachable" in done.stderr, done.stderr
-    with socket.create_connection(("pypi.org", 443), timeout=10):  # while this test's own namespace can
+def test_the_namespace_reaches_neither_the_index_nor_any_address(index):
+    host, port = index.split("/")[2].split(":")
+    for address in ((host, int(port)), ("151.101.0.223", 443)):  # the index; an address outside (PyPI's)
+        probe = f"import socket; socket.create_connection({address!r}, timeout=5)"
+        done = subprocess.run(["unshare", "--net", sys.executable, "-c", probe], capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode != 0 and ("Network is unreachable" in done.stderr or "Connection refused"
+                                         in done.stderr), done.stderr
+    with socket.create_connection((host, int(port)), timeout=5):  # while this test's own namespace can
         pass
 
 
 def test_private_env_from_the_wheelhouse_offline_equals_the_online_build(tmp_path, standins, requirements,
-                                                                          wheelhouse, standin_dist):
+                                                                          wheelhouse, index):
     private = node(tmp_path / "private", standins, requirements, wheelhouse, private=True)
     result = env_step(private, offline=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -133,13 +172,12 @@ def test_private_env_from_the_wheelhouse_offline_equals_the_online_build(tmp_pat
     assert sorted(p.name for p in fetched.iterdir()) == sorted(p.name for p in wheelhouse.path.iterdir())
     assert oct(fetched.stat().st_mode & 0o777) == "0o755"
     online = node(tmp_path / "online", standins, requirements, wheelhouse, private=False)
-    online["PIP_FIND_LINKS"] = str(standin_dist)
+    online["PIP_INDEX_URL"] = index
     result = env_step(online, offline=False)
     assert result.returncode == 0, result.stdout + result.stderr
     offline_freeze, online_freeze = freeze(Path(private["ENV_GPU_DIR"])), freeze(Path(online["ENV_GPU_DIR"]))
     assert offline_freeze == online_freeze
-    names = {line.split("==")[0].lower() for line in offline_freeze}
-    assert {"requests", "pyyaml", "certifi", "charset-normalizer", "idna", "urllib3", "torch"} <= names
+    assert offline_freeze == ["sana_app==1.0", "sana_dep==1.1", "sana_native==2.0", "torch==0.0.0"]
     # Both marked ready; the private env's key names its wheelhouse, so the two are different dirs.
     for env in (private, online):
         assert (Path(env["ENV_GPU_DIR"]).resolve() / ".sana-env-ready").is_file()
@@ -149,7 +187,7 @@ def test_private_env_from_the_wheelhouse_offline_equals_the_online_build(tmp_pat
 def test_a_missing_wheel_fails_the_step_in_one_line_naming_it(tmp_path, standins, requirements, wheelhouse):
     env = node(tmp_path, standins, requirements, wheelhouse, private=True)
     uploaded = tmp_path / "s3" / BUCKET / wheelhouse.prefix
-    (gone,) = uploaded.glob("urllib3-*.whl")
+    (gone,) = uploaded.glob("sana_dep-*.whl")
     gone.unlink()
     result = env_step(env, offline=True)
     assert result.returncode == 1

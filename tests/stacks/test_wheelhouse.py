@@ -1,8 +1,8 @@
 """stacks/wheelhouse.py (``make wheelhouse``) and the lock check the nodes run (lifecycle_scripts/wheelhouse.py).
 
 Offline: wheels are small stand-ins built here, pip runs with a local find-links directory and no
-index. The download of a real small set from PyPI and its offline install on a node is
-tests/lifecycle/test_private_env.py.
+index. A wheelhouse built from a package index (on loopback) and installed by the env step in a
+network namespace with no route out is tests/lifecycle/test_private_env.py.
 """
 
 from __future__ import annotations
@@ -26,17 +26,16 @@ REPO = Path(__file__).resolve().parents[2]
 CHECK = REPO / "lifecycle_scripts" / "wheelhouse.py"
 
 
-def wheel(dist: Path, name: str, version: str = "1.0", size: int = 0) -> Path:
-    """A pure-Python wheel pip installs (PEP 427: the package plus its .dist-info)."""
-    path = dist / f"{name}-{version}-py3-none-any.whl"
+def wheel(dist: Path, name: str, version: str = "1.0", size: int = 0, tag: str = "py3-none-any") -> Path:
+    """A wheel pip installs (PEP 427: the package plus its .dist-info), with the tag given."""
+    path = dist / f"{name}-{version}-{tag}.whl"
     info = f"{name}-{version}.dist-info"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{name}/__init__.py", "x = 1\n")
         if size:
             z.writestr(f"{name}/blob", os.urandom(size), compress_type=zipfile.ZIP_STORED)
         z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: sana-tests\nRoot-Is-Purelib: true\n"
-                                    "Tag: py3-none-any\n")
+        z.writestr(f"{info}/WHEEL", f"Wheel-Version: 1.0\nGenerator: sana-tests\nRoot-Is-Purelib: true\nTag: {tag}\n")
         z.writestr(f"{info}/RECORD", "")
     return path
 
@@ -222,3 +221,24 @@ def test_each_upload_part_carries_exactly_its_files(tmp_path):
         (key,) = props["SourceObjectKeys"]
         staged.append(sorted(p.name for p in (tmp_path / "out" / f"asset.{key.removesuffix('.zip')}").iterdir()))
     assert sorted(staged) == sorted(sorted(part) for part in built.upload_parts(2100))
+
+
+def test_versions_an_online_build_would_pick_differently_stop_the_build_in_one_line(tmp_path):
+    """gamma 1.1 has a wheel only for this machine's newer glibc: an online pip here takes 1.1, the
+    nodes' wheelhouse (one glibc older) can only take 1.0. Such a set is refused, naming gamma."""
+    import packaging._manylinux as manylinux
+
+    major, minor = manylinux._get_glibc_version()
+    dist = tmp_path / "dist"
+    dist.mkdir()
+    wheel(dist, "gamma", "1.0", tag="cp311-cp311-manylinux_2_17_x86_64")
+    wheel(dist, "gamma", "1.1", tag=f"cp311-cp311-manylinux_{major}_{minor}_x86_64")
+    req = tmp_path / "requirements-gpu.txt"
+    req.write_text("gamma>=1.0\n")
+    with pytest.raises(wh.WheelhouseError) as err:
+        wh.build("gpu", wh.Target(glibc=f"{major}.{minor - 1}"), requirements=req, root=tmp_path / "root",
+                 env=offline_pip(dist))
+    assert str(err.value) == ("make wheelhouse gpu: an online build would install other versions than the wheels "
+                              "for the nodes (gamma 1.1 online, 1.0 as a wheel): pin them in "
+                              "training/requirements-gpu.txt to versions that have wheels")
+    assert list((tmp_path / "root").iterdir()) == []
