@@ -40,7 +40,7 @@ PY
 # wheelhouse_fetch: sets wheelhouse_dir, the checked wheelhouse on FSx (downloaded if absent).
 wheelhouse_fetch() {
   require_vars FSX CFG_LIFECYCLE_BUCKET CFG_REGION
-  local store="$FSX/wheelhouse" source out incoming
+  local store="$FSX/wheelhouse" source out incoming=""
   wheelhouse_dir="$store/$(basename "$wheelhouse_prefix")"
   source="s3://$CFG_LIFECYCLE_BUCKET/$wheelhouse_prefix"
   if [[ ! -d $wheelhouse_dir ]]; then
@@ -60,10 +60,12 @@ wheelhouse_fetch() {
     fi
     chmod 0755 "$incoming"
     mv -T "$incoming" "$wheelhouse_dir" || die "cannot move the wheelhouse into $wheelhouse_dir"
+  else
+    # Fetched by an earlier build: checked again, it is what pip is about to trust.
+    out=$(python3 "$COMMON_DIR/wheelhouse.py" check "$wheelhouse_dir" --lock-sha256 "$wheelhouse_lock_sha256" 2>&1) \
+      || die "$out (or, for a copy changed on FSx since it was fetched: remove $wheelhouse_dir to fetch it again)"
   fi
-  out=$(python3 "$COMMON_DIR/wheelhouse.py" check "$wheelhouse_dir" --lock-sha256 "$wheelhouse_lock_sha256" 2>&1) \
-    || die "$out"
-  log "$out"
+  log "${out//$incoming/$wheelhouse_dir}"
 }
 
 # wheelhouse_pip_args: pip's arguments for an install from the checked wheelhouse only.

@@ -227,3 +227,24 @@ def test_the_wheelhouse_is_fetched_from_the_clusters_region(tmp_path, standins, 
     assert result.returncode == 1
     assert error_line(result) == (f"cannot download the wheelhouse s3://{BUCKET}/{wheelhouse.prefix}: Could not "
                                   f"connect to the endpoint URL: \"https://s3.{REGION}.amazonaws.com/{BUCKET}\"")
+
+
+def test_a_fetched_wheelhouse_altered_on_fsx_is_checked_again_and_refused(tmp_path, standins, requirements,
+                                                                          wheelhouse):
+    env = node(tmp_path, standins, requirements, wheelhouse, private=True)
+    assert env_step(env, offline=True).returncode == 0
+    fsx = Path(env["FSX"])
+    # A later build of the same package (a new base Python, a removed env) finds the fetched copy.
+    (fsx / "envs/gpu").unlink()
+    for built in (fsx / "envs").glob("gpu-*"):
+        shutil.rmtree(built)
+    fetched = fsx / "wheelhouse" / f"gpu-{wheelhouse.key}"
+    (altered,) = fetched.glob("sana_native-*.whl")
+    with altered.open("ab") as f:
+        f.write(b"\0")
+    result = env_step(env, offline=True)
+    assert result.returncode == 1
+    assert error_line(result) == (f"wheelhouse {fetched}: {altered.name} do not match their sha256 in "
+                                  "requirements.lock; rebuild it (make wheelhouse) and redeploy the cluster stack (or, "
+                                  f"for a copy changed on FSx since it was fetched: remove {fetched} to fetch it again)")
+    assert "downloading the wheelhouse" not in result.stdout
