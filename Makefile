@@ -11,7 +11,7 @@ XLA_PY   := $(XLA_VENV)/bin/python
 STAMPS   := .stamps
 CDK      := npx --no-install cdk
 
-.PHONY: help setup setup-xla synth audit demo test test-platform test-xla lint clean image push-image serve-smoke
+.PHONY: help setup setup-xla synth audit demo test test-platform test-xla lint clean image push-image serve-smoke wheelhouse
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -46,6 +46,12 @@ $(STAMPS)/venv-xla: training/requirements-xla-test.txt training/requirements-neu
 
 synth: setup ## cdk synth through the real CLI into cdk.out/ (offline, no credentials)
 	$(CDK) synth --quiet --output cdk.out
+
+# privateNetwork=true: the nodes install their envs from these (stacks/wheelhouse.py, runbooks/deploy.md
+# "Private network"); needs PyPI and Neuron's pip repository here. KINDS=gpu|neuron limits it.
+KINDS ?= gpu neuron
+wheelhouse: $(STAMPS)/venv ## resolve the node envs' pins for the nodes (CPython 3.11, manylinux x86_64) into build/wheelhouse/, cached by their hash
+	$(PY) -m stacks.wheelhouse build $(KINDS)
 
 audit: synth ## print cdk-nag (AWS Solutions + HIPAA) and cfn-lint findings; fail on any open one
 	$(PY) -m stacks.audit cdk.out

@@ -38,7 +38,9 @@
 # Whether srun on a node really loads pyxis depends on the controller and on Slurm's timing:
 # the late check (container_check.sh, after slurmd) tests that.
 # With containerRuntime=false nothing is installed or configured (one WARN line on gpu, trn
-# and login nodes).
+# and login nodes). On a private cluster (privateNetwork) nothing is downloaded: GitHub and Ubuntu's
+# archive are unreachable, so enroot and pyxis must be on the AMI (else one WARN line says so), and
+# the images come from this account's ECR only (import_image.sh and launch.sh refuse any other).
 set -euo pipefail
 # shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -46,6 +48,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/system.sh"
 step_init
 require_vars FSX CFG_CLUSTER_GID CFG_CLUSTER_USERS NODE_ROLE CFG_CONTAINER_RUNTIME
+PRIVATE_NETWORK=${CFG_PRIVATE_NETWORK:-false}
 
 ENROOT_VERSION=3.4.1
 PYXIS_VERSION=0.19.0
@@ -59,6 +62,12 @@ ENROOT_CONF=${PLATFORM_ROOT}/etc/enroot/enroot.conf
 # enroot's .deb installs the enroot command here (NVIDIA/enroot packaging).
 ENROOT_BIN=${PLATFORM_ROOT}/usr/bin/enroot
 MOUNTS=${PLATFORM_ROOT}/proc/mounts
+
+# no_downloads_here WHAT: on a private cluster, stop before a download that cannot reach the internet.
+no_downloads_here() {
+  [[ $PRIVATE_NETWORK == true ]] || return 0
+  die "$1 is not on this AMI and a private cluster (privateNetwork) cannot download it: no internet egress to NVIDIA's releases on github.com or Ubuntu's archive; container jobs need an AMI that carries enroot and pyxis (runbooks/containers.md, \"Private network\")"
+}
 
 # fetch URL DEST: download with retries (the reference retries every download with backoff).
 fetch() {
@@ -82,6 +91,7 @@ install_enroot() {
     return 0
   fi
   local arch base pkg deb debs=()
+  no_downloads_here "enroot"
   arch=$(dpkg --print-architecture) || die "dpkg --print-architecture failed; enroot is installed from .debs"
   base=${LIFECYCLE_ENROOT_RELEASE_URL:-https://github.com/NVIDIA/enroot/releases/download/v$ENROOT_VERSION}
   scratch_dir
@@ -107,6 +117,7 @@ install_pyxis() {
     log "pyxis is installed ($PYXIS_PLUGIN)"
     return 0
   fi
+  no_downloads_here "pyxis"
   [[ -r $SLURM_PREFIX/include/slurm/spank.h ]] \
     || die "no Slurm headers at /opt/slurm/include/slurm/spank.h: pyxis is built against this node's Slurm (HyperPod installs it under /opt/slurm)"
   if ! command -v make >/dev/null 2>&1 || ! command -v cc >/dev/null 2>&1; then
@@ -281,5 +292,8 @@ case $NODE_ROLE in
     install_pyxis
     configure_enroot
     log "enroot $("$ENROOT_BIN" version 2>/dev/null || echo '?') + pyxis $PYXIS_PLUGIN ready; srun loads pyxis once slurmd has the controller's plugstack.conf (checked by sana-node-ready.service)"
+    if [[ $PRIVATE_NETWORK == true ]]; then
+      log "private network: container images only from ${CFG_IMAGE_REGISTRY:-the account ECR}, imported by root (import_image.sh)"
+    fi
     ;;
 esac

@@ -21,7 +21,9 @@
 #   3. store    <fsx>/images/sha256-<digest>.sqsh (temp file in the store + rename: complete or
 #               absent) and, for a tag, <fsx>/images/by-tag/<registry>/<repo>/<tag> holding
 #               "sha256:<digest>", written without following links (safe_fs.py).
-# An image already in the store is not imported again.
+# An image already in the store is not imported again. On a private cluster (privateNetwork) the
+# only registry is this account's ECR, reached through the VPC's ECR endpoints (stacks/endpoints.py):
+# any other is refused in one line before anything is pulled.
 #
 # Output: log lines, then ONE last line "[import-image] IMPORTED ..." (exit 0) or
 # "[import-image] FAILED: <cause>" (exit 1).
@@ -59,6 +61,9 @@ elif [[ $image =~ ^([^/@:#]+)/([a-z0-9._/-]+):([A-Za-z0-9_][A-Za-z0-9._-]{0,127}
   registry=${BASH_REMATCH[1]} repo=${BASH_REMATCH[2]} tag=${BASH_REMATCH[3]} digest=""
 else
   fail "'$image' is not <registry>/<repo>:<tag> or <registry>/<repo>@sha256:<digest>"
+fi
+if [[ ${CFG_PRIVATE_NETWORK:-false} == true && $registry != "${CFG_IMAGE_REGISTRY:-}" ]]; then
+  fail "'$registry' is not this cluster's registry ${CFG_IMAGE_REGISTRY:-}: a private cluster (privateNetwork) pulls only from its own ECR, through its VPC endpoints; push the image there (make push-image REGISTRY=${CFG_IMAGE_REGISTRY:-<account>.dkr.ecr.<region>.amazonaws.com})"
 fi
 [[ $registry =~ ^([0-9]{12})\.dkr\.ecr\.([a-z0-9-]+)\.amazonaws\.com$ ]] \
   || fail "'$registry' is not an ECR registry (<account>.dkr.ecr.<region>.amazonaws.com); the platform imports its own images only"

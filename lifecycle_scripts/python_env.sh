@@ -20,6 +20,9 @@
 # timeout; the first builds, the others block, then find the ready marker and only verify.
 # The marker is written after pip AND the import check succeed, so a failed or killed
 # build is never marked ready (and the next node to get the lock removes its leftovers).
+#
+# Private cluster (CFG_PRIVATE_NETWORK, privateNetwork=true): no index is reachable; the env is
+# installed from the cluster's wheelhouse (wheelhouse.sh), with exactly the Python it was built for.
 set -euo pipefail
 # shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -56,6 +59,14 @@ lock_timeout=${LIFECYCLE_ENV_LOCK_TIMEOUT_S:-3600}
 # first: Neuron's compiler/runtime wheels follow new Python releases late.
 min_python=${LIFECYCLE_MIN_PYTHON:-3.11}
 [[ -r $requirements ]] || die "no $requirements in package $CFG_PACKAGE_HASH; the training package must ship it"
+private=${CFG_PRIVATE_NETWORK:-false}
+if [[ $private == true ]]; then
+  # shellcheck source=SCRIPTDIR/wheelhouse.sh
+  source "$(dirname "${BASH_SOURCE[0]}")/wheelhouse.sh"
+  wheelhouse_settings "$kind"
+  # The wheels are for that Python only (cp311 ABI tags): no other interpreter will do.
+  min_python=$wheelhouse_python
+fi
 
 # python_version EXE: "3.11" (fails if EXE does not run).
 python_version() {
@@ -68,6 +79,7 @@ pick_base_python() {
   for exe in "python$min_python" python3.11 python3.12 python3; do
     command -v "$exe" >/dev/null 2>&1 || continue
     version=$(python_version "$exe") || continue
+    if [[ $private == true && $version != "$min_python" ]]; then continue; fi
     if [[ $(printf '%s\n' "$min_python" "$version" | sort -V | head -n 1) == "$min_python" ]]; then
       base_python=$exe
       return 0
@@ -77,6 +89,8 @@ pick_base_python() {
 }
 
 if ! pick_base_python; then
+  [[ $private != true ]] \
+    || die "no python$min_python on this node, the Python the $kind wheelhouse is built for, and apt-get cannot reach the Ubuntu archive without internet egress (privateNetwork): use an AMI that has it, or build the wheelhouse for this node's Python (python -m stacks.wheelhouse build --python 3.N) and redeploy"
   log "no Python >= $min_python here (python3 is $(python_version python3 || echo missing)); installing python$min_python"
   apt_install "python$min_python" "python$min_python-venv" \
     || die "no Python >= $min_python on this node (python3 is $(python_version python3 || echo missing)) and apt-get install python$min_python python$min_python-venv failed; the training requirements need it"
@@ -89,6 +103,8 @@ key=$({
   printf 'index=%s\n' "${CFG_NEURON_PIP_INDEX:-}"
   "$base_python" -c 'import sys; print(sys.version)'
   echo "recipe=1" # bump when the build recipe below changes
+  # Only on a private cluster, so the key of every online env stays what it was.
+  if [[ $private == true ]]; then printf 'wheelhouse=%s\n' "$wheelhouse_lock_sha256"; fi
 } | sha256sum | cut -c1-12)
 target="$link-$key"
 marker="$target/.sana-env-ready"
@@ -119,9 +135,16 @@ build_env() {
   # (awslabs/awsome-distributed-ai, 1.architectures/5.sagemaker-hyperpod/LifecycleScripts/
   # base-config/on_create.sh sleeps 30 s for it); pip retries name resolution errors with
   # backoff, which rides that out without a blind sleep.
+  local -a source_args=("${index_args[@]}" -r "$requirements")
+  local what="-r $requirements"
+  if [[ $private == true ]]; then
+    wheelhouse_fetch
+    mapfile -t source_args < <(wheelhouse_pip_args)
+    what="from the wheelhouse $wheelhouse_dir"
+  fi
   "$target/bin/python" -m pip install --no-input --disable-pip-version-check --no-cache-dir --retries 10 \
-    "${index_args[@]}" -r "$requirements" || status=$?
-  ((status == 0)) || die "pip install -r $requirements failed (exit $status); the pip output above in the provisioning log says which requirement"
+    "${source_args[@]}" || status=$?
+  ((status == 0)) || die "pip install $what failed (exit $status); the pip output above in the provisioning log says which requirement"
   # The package on FSx (platform/current) is importable from the env without PYTHONPATH.
   local site
   site=$("$target/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')

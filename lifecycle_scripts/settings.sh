@@ -119,6 +119,32 @@ if not isinstance(accounting, bool):
 container_runtime = s.get("container_runtime")
 if not isinstance(container_runtime, bool):
     fail(f"key 'container_runtime' must be true or false, got {container_runtime!r}")
+# privateNetwork (stacks/network.py): this account's ECR is the only registry, and the envs come
+# from the wheelhouses the cluster stack uploaded (stacks/wheelhouse.py: prefix, lock sha256, Python;
+# python_env.sh reads them from the package it builds for, wheelhouse.sh).
+private_network = s.get("private_network")
+if not isinstance(private_network, bool):
+    fail(f"key 'private_network' must be true or false, got {private_network!r}")
+image_registry = get("image_registry")
+if image_registry and not re.fullmatch(r"[0-9]{12}\.dkr\.ecr\.[a-z0-9-]+\.amazonaws\.com(\.cn)?", image_registry):
+    fail(f"key 'image_registry' is not an ECR registry (<account>.dkr.ecr.<region>.amazonaws.com), got {image_registry!r}")
+if private_network and not image_registry:
+    fail("key 'image_registry' is empty but private_network is true: a private cluster pulls only from its own ECR")
+wheelhouses = s.get("wheelhouses")
+if not isinstance(wheelhouses, dict):
+    fail(f"key 'wheelhouses' must be an object (env kind -> wheelhouse), got {wheelhouses!r}")
+for kind in ("gpu", "neuron"):
+    entry = wheelhouses.get(kind, {})
+    if not isinstance(entry, dict):
+        fail(f"wheelhouses['{kind}'] must be an object, got {entry!r}")
+    prefix, lock, python = entry.get("prefix", ""), entry.get("lock_sha256", ""), entry.get("python", "")
+    if entry and not (re.fullmatch(rf"wheelhouse/{kind}-[0-9a-f]{{16}}/", str(prefix))
+                      and re.fullmatch(r"[0-9a-f]{64}", str(lock)) and re.fullmatch(r"3\.[0-9]{1,2}", str(python))):
+        fail(f"wheelhouses['{kind}'] must be {{prefix: wheelhouse/{kind}-<16 hex>/, lock_sha256: <64 hex>, "
+             f"python: 3.N}}, got {entry!r}")
+unknown = set(wheelhouses) - {"gpu", "neuron"}
+if unknown:
+    fail(f"wheelhouses has unknown env kinds {sorted(unknown)}; the node envs are gpu and neuron")
 
 values = {
     "CFG_PROJECT": get("project"),
@@ -138,6 +164,8 @@ values = {
     "CFG_HOME_ROOT": home_root,
     "CFG_SLURM_ACCOUNTING": "true" if accounting else "false",
     "CFG_CONTAINER_RUNTIME": "true" if container_runtime else "false",
+    "CFG_PRIVATE_NETWORK": "true" if private_network else "false",
+    "CFG_IMAGE_REGISTRY": image_registry,
     # Paths as this node sees them (PLATFORM_ROOT + the cluster path).
     "FSX": root + fsx_mount,
     "ENV_GPU_DIR": root + env_gpu,
@@ -157,3 +185,6 @@ printf '%s\n' "$result" | write_atomically "$out" 0644
 source "$out"
 log "project=$CFG_PROJECT cluster=$CFG_CLUSTER_NAME package=$CFG_PACKAGE_HASH fsx=$CFG_FSX_MOUNT"
 log "cluster group $CFG_CLUSTER_GROUP ($CFG_CLUSTER_GID), users: $CFG_CLUSTER_USERS; homes under $CFG_HOME_ROOT"
+if [[ $CFG_PRIVATE_NETWORK == true ]]; then
+  log "private network: images only from $CFG_IMAGE_REGISTRY, envs from the wheelhouses under s3://$CFG_LIFECYCLE_BUCKET/wheelhouse/"
+fi

@@ -51,3 +51,13 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive apt-get -q -o DPkg::Lock::Timeout=300 update \
     && DEBIAN_FRONTEND=noninteractive apt-get -q -y -o DPkg::Lock::Timeout=300 install --no-install-recommends "$@"
 }
+
+# s3_download_prefix S3_PREFIX DIR REGION: every object under the prefix into DIR (keys relative to
+# it), with the AWS CLI of the HyperPod AMIs (AWS's reference lifecycle scripts call `aws s3 cp` and
+# `aws ecr` on the nodes without installing it: awslabs/awsome-distributed-ai 1.architectures/
+# 5.sagemaker-hyperpod/LifecycleScripts/base-config/observability/install_node_exporter.sh). The
+# region is explicit: a private subnet reaches S3 only through the gateway endpoint of its own
+# region, not the global endpoint the CLI would try without one.
+s3_download_prefix() {
+  aws s3 cp --recursive --only-show-errors --no-progress --region "$3" "$1" "$2"
+}

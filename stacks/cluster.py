@@ -34,6 +34,9 @@ from stacks.images import ImageRepositories
 from stacks.names import execution_role_name
 from stacks.network import Network
 from stacks.storage import StorageStack, bucket_names
+from stacks.wheelhouse import ROOT as WHEELHOUSE_ROOT
+from stacks.wheelhouse import Wheelhouse
+from stacks.wheelhouse_upload import WheelhouseUpload, wheelhouses_for
 
 REPO = Path(__file__).resolve().parents[1]
 LIFECYCLE_DIR = REPO / "lifecycle_scripts"
@@ -71,6 +74,8 @@ class ClusterProps:
     accounting: AccountingDatabase | None = None
     lifecycle_dir: Path = LIFECYCLE_DIR
     training_dir: Path = TRAINING_DIR
+    wheelhouse_root: Path = WHEELHOUSE_ROOT
+    """Where ``make wheelhouse`` keeps the wheelhouses a private cluster uploads (stacks/wheelhouse.py)."""
 
 
 class PlatformBuckets(Construct):
@@ -116,11 +121,13 @@ class ExecutionRole(Construct):
         eni_arn = f"{ec2_arn}:network-interface/*"
         subnet_arn = f"{ec2_arn}:subnet/{net.cluster_subnet.ref}"
         sg_arn = f"{ec2_arn}:security-group/{net.security_group.security_group_id}"
+        # A private cluster's env step also fetches its wheelhouse (stacks/wheelhouse_upload.py).
+        lifecycle_prefixes = ["lifecycle/*"] + (["wheelhouse/*"] if props.config.privateNetwork else [])
         self.policy = iam.ManagedPolicy(self, "PlatformAccess", statements=[
             iam.PolicyStatement(
                 sid="ReadLifecycleScripts",
                 actions=["s3:GetObject"],
-                resources=[buckets.lifecycle.arn_for_objects("lifecycle/*")]),
+                resources=[buckets.lifecycle.arn_for_objects(prefix) for prefix in lifecycle_prefixes]),
             iam.PolicyStatement(
                 sid="ListPlatformBuckets",
                 actions=["s3:ListBucket", "s3:GetBucketLocation"],
@@ -207,9 +214,9 @@ class ExecutionRole(Construct):
                     "HyperPod requires this AWS managed policy on the cluster execution role (node agent, "
                     "CloudWatch logs/metrics under /aws/sagemaker/Clusters, lifecycle buckets named "
                     "sagemaker-*); AWS maintains it as the service evolves.")
-        self._acknowledge_wildcards(props.config.projectName)
+        self._acknowledge_wildcards(props.config.projectName, private=props.config.privateNetwork)
 
-    def _acknowledge_wildcards(self, project: str) -> None:
+    def _acknowledge_wildcards(self, project: str, *, private: bool) -> None:
         """Each object/ENI wildcard is scoped to exactly one platform bucket or to ENIs of this account/region."""
         reasons = {
             "Resource::*": "ec2:Describe* actions do not support resource-level permissions "
@@ -222,6 +229,10 @@ class ExecutionRole(Construct):
             reasons[f"Resource::{nag_bucket_arn(project, kind, nag_partition(self))}/{what}*"] = (
                 "Object-level access within exactly one platform bucket (the objects are created by "
                 "training jobs at run time); the bucket itself is named, never s3:*.")
+        if private:
+            reasons[f"Resource::{nag_bucket_arn(project, 'lifecycle', nag_partition(self))}/wheelhouse/*"] = (
+                "Read-only, the wheelhouses the cluster stack uploads under wheelhouse/<kind>-<key>/ of the "
+                "platform's lifecycle bucket (keys named by content hashes not known to the role).")
         for finding, reason in reasons.items():
             acknowledge(self.policy, f"AwsSolutions::AwsSolutions-IAM5[{finding}]", reason)
 
@@ -235,7 +246,8 @@ class LifecycleUpload(Construct):
     the prefix is immutable per hash, so there is nothing to prune.
     """
 
-    def __init__(self, scope: Construct, id: str, *, props: ClusterProps, buckets: PlatformBuckets) -> None:
+    def __init__(self, scope: Construct, id: str, *, props: ClusterProps, buckets: PlatformBuckets,
+                 wheelhouses: dict[str, Wheelhouse]) -> None:
         super().__init__(scope, id)
         cfg = props.config
         if not (props.lifecycle_dir / ON_INIT_COMPLETE).is_file():
@@ -247,7 +259,9 @@ class LifecycleUpload(Construct):
         self.settings = cfg.settings(
             region=cdk.Stack.of(self).region, data_bucket=buckets.data.bucket_name,
             artefacts_bucket=buckets.artefacts.bucket_name, lifecycle_bucket=buckets.lifecycle.bucket_name,
-            package_hash=self.package_hash)
+            package_hash=self.package_hash,
+            image_registry=f"{cdk.Aws.ACCOUNT_ID}.dkr.ecr.{cdk.Aws.REGION}.{cdk.Aws.URL_SUFFIX}",
+            wheelhouses={kind: w.settings() for kind, w in wheelhouses.items()})
         common = dict(destination_bucket=buckets.lifecycle, prune=False, retain_on_delete=True,
                       memory_limit=512)
         self.scripts = s3deploy.BucketDeployment(
@@ -269,7 +283,10 @@ class Cluster(Construct):
         cfg = props.config
         self.buckets = PlatformBuckets(self, "Buckets", project=cfg.projectName, key=props.storage.buckets.key)
         self.execution_role = ExecutionRole(self, "ExecutionRole", props=props, buckets=self.buckets)
-        self.upload = LifecycleUpload(self, "Lifecycle", props=props, buckets=self.buckets)
+        wheelhouses = wheelhouses_for(cfg, props.wheelhouse_root) if cfg.privateNetwork else {}
+        self.upload = LifecycleUpload(self, "Lifecycle", props=props, buckets=self.buckets, wheelhouses=wheelhouses)
+        self.wheelhouses = None if not wheelhouses else WheelhouseUpload(
+            self, "Wheelhouses", wheelhouses=wheelhouses, bucket=self.buckets.lifecycle)
         fs = props.storage.file_system
         self.fsx_mount = sagemaker.CfnCluster.ClusterInstanceStorageConfigProperty(
             fsx_lustre_config=sagemaker.CfnCluster.ClusterFsxLustreConfigProperty(
@@ -304,8 +321,10 @@ class Cluster(Construct):
                 security_group_ids=[props.network.security_group.security_group_id],
                 subnets=[props.network.cluster_subnet.ref]),
         )
-        # The cluster must not be created before its lifecycle objects exist in S3.
+        # The cluster must not be created before its lifecycle objects (and wheelhouses) exist in S3.
         self.cluster.node.add_dependency(self.upload.scripts, self.upload.package)
+        if self.wheelhouses is not None:
+            self.cluster.node.add_dependency(*self.wheelhouses.deployments)
 
     @staticmethod
     def _controller_vpc(props: ClusterProps) -> sagemaker.CfnCluster.VpcConfigProperty | None:
@@ -386,10 +405,11 @@ class ClusterStack(cdk.Stack):
     """The expensive part; `cdk destroy <project>-cluster` removes it and keeps data and network."""
 
     def __init__(self, scope: Construct, id: str, *, config: PlatformConfig, network: Network,
-                 storage: StorageStack, **kwargs) -> None:
+                 storage: StorageStack, wheelhouse_root: Path = WHEELHOUSE_ROOT, **kwargs) -> None:
         super().__init__(scope, id, **kwargs)
         self.cluster = Cluster(self, "Cluster", props=ClusterProps(config=config, network=network, storage=storage,
-                                                                    accounting=storage.accounting))
+                                                                    accounting=storage.accounting,
+                                                                    wheelhouse_root=wheelhouse_root))
         self._acknowledge_deployment_handler(config)
         buckets, upload = self.cluster.buckets, self.cluster.upload
         # The log group HyperPod writes the nodes' logs to: retention and the platform key.
@@ -427,12 +447,16 @@ class ClusterStack(cdk.Stack):
 
         The handler is CDK's own singleton; its role and grants are generated by aws-cdk-lib.
         """
-        handler = next(c for c in self.node.children if c.node.id.startswith("Custom::CDKBucketDeployment"))
+        for handler in [c for c in self.node.children if c.node.id.startswith("Custom::CDKBucketDeployment")]:
+            self._acknowledge_handler(handler, config)
+
+    def _acknowledge_handler(self, handler: Construct, config: PlatformConfig) -> None:
+        """One BucketDeployment singleton (one per memory/storage size: the wheelhouses' is bigger)."""
         fn = handler.node.default_child
         role = handler.node.find_child("ServiceRole")
         policy = role.node.find_child("DefaultPolicy").node.default_child
         deploy_only = ("CDK's BucketDeployment handler runs only during `cdk deploy` to copy the lifecycle "
-                       "scripts and training package into S3; it handles no PHI or training data. ")
+                       "scripts, training package and wheelhouses into S3; it handles no PHI or training data. ")
         ignore_cfn_lint(fn, "W3005")
         acknowledge(fn, "AwsSolutions::AwsSolutions-L1", deploy_only +
                     "Its runtime is chosen and updated by the pinned aws-cdk-lib release.")

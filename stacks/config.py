@@ -258,6 +258,8 @@ class PlatformConfig:
     """Capture requests and responses to the artefacts bucket (KMS-encrypted). Off: prompts may hold PHI."""
     containerRuntime: bool = True
     """enroot + pyxis on gpu, trn and login nodes (installed at boot where the AMI lacks them); false = none."""
+    privateNetwork: bool = False
+    """No internet egress: no NAT/internet gateway, interface endpoints for the AWS APIs, envs from the wheelhouse."""
 
     def __post_init__(self) -> None:
         if not PROJECT_NAME_RE.match(self.projectName):
@@ -314,6 +316,13 @@ class PlatformConfig:
         from stacks.serving_config import check_serving  # (imports ConfigError from here)
 
         check_serving(self)
+        if self.privateNetwork and self.serving:
+            # The endpoint runs in the cluster subnet and the inference toolkit pip-installs the
+            # package's code/requirements.txt when it starts (training/serve/package.py).
+            raise ConfigError("privateNetwork", True,
+                              "the serving endpoint installs code/requirements.txt from PyPI when it starts, "
+                              "which a subnet without internet egress cannot reach: set serving=false or "
+                              "privateNetwork=false (runbooks/private-network.md)")
         if self.slurmAccounting and not self.continuousProvisioning:
             # AWS::SageMaker::Cluster schema, ClusterAccountingDatabase: "Supported only with
             # Continuous node provisioning."
@@ -410,8 +419,13 @@ class PlatformConfig:
         return cls(**values)
 
     def settings(self, *, region: str, data_bucket: str, artefacts_bucket: str, lifecycle_bucket: str,
-                 package_hash: str) -> dict[str, Any]:
-        """platform-settings.json, uploaded next to the lifecycle scripts; lifecycle_scripts/settings.sh reads it."""
+                 package_hash: str, image_registry: str = "",
+                 wheelhouses: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Any]:
+        """platform-settings.json, uploaded next to the lifecycle scripts; lifecycle_scripts/settings.sh reads it.
+
+        ``image_registry``: this account's ECR registry, the only one a private cluster pulls from;
+        ``wheelhouses``: env kind -> {prefix, lock_sha256, python} (stacks/wheelhouse.py), private only.
+        """
         return {
             "project": self.projectName,
             "cluster_name": self.clusterName,
@@ -430,6 +444,9 @@ class PlatformConfig:
             "home_root": HOME_ROOT,
             "slurm_accounting": self.slurmAccounting,
             "container_runtime": self.containerRuntime,
+            "private_network": self.privateNetwork,
+            "image_registry": image_registry,
+            "wheelhouses": {kind: dict(w) for kind, w in (wheelhouses or {}).items()},
         }
 
     @classmethod

@@ -1,5 +1,10 @@
 """Network: VPC, the cluster subnet in one AZ, NAT egress, S3 endpoint, flow logs, the EFA security group.
 
+With ``privateNetwork`` there is no egress at all: no public subnet, internet gateway or NAT, and the
+cluster route table holds only the VPC's local route and the S3 gateway endpoint's prefix list; the
+AWS APIs the nodes call are reached through interface endpoints (stacks/endpoints.py says which
+and why) and S3 through the gateway endpoint, each with an endpoint policy.
+
 All nodes and the FSx file system sit in ONE private subnet of ONE availability zone: EFA
 traffic does not cross AZs and HyperPod places an instance group in the subnets it is given.
 The subnet is pinned by AZ *ID* (e.g. use1-az4) rather than AZ name because AZ names are
@@ -23,8 +28,10 @@ from constructs import Construct
 from stacks.accounting import AccountingNetwork, AccountingNetworkProps
 from stacks.common import acknowledge, ignore_cfn_lint, removal_policy
 from stacks.config import PlatformConfig
+from stacks.endpoints import Endpoint, required_endpoints, s3_gateway_policy
 from stacks.key_policy import ADMIN_ACTIONS
 from stacks.names import bucket_arn, bucket_names, log_group_arn, trail_arn
+from stacks.private_endpoints import PrivateEndpoints, PrivateEndpointsProps
 
 ACCESS_LOG_PREFIX = "s3-access-logs/"
 TRAIL_PREFIX = "cloudtrail"  # stacks/trail.py writes under it
@@ -43,6 +50,8 @@ class NetworkProps:
     log_retention_days: int
     accounting_subnet_cidrs: tuple[str, str] | None = None
     """Set only with slurmAccounting: the two DB subnets Aurora needs (two AZs)."""
+    private_endpoints: tuple[Endpoint, ...] | None = None
+    """Set only with privateNetwork: no NAT or internet gateway; these interface endpoints instead."""
 
 
 class AccessLogBucket(Construct):
@@ -140,7 +149,7 @@ class HandlerLogGroup(Construct):
 
 
 class Network(Construct):
-    """VPC with one private cluster subnet (+ a /28 public subnet for the NAT gateway)."""
+    """VPC with one private cluster subnet (+ a /28 public subnet for the NAT gateway, unless private)."""
 
     def __init__(self, scope: Construct, id: str, *, props: NetworkProps) -> None:
         super().__init__(scope, id)
@@ -169,29 +178,8 @@ class Network(Construct):
             traffic_type=ec2.FlowLogTrafficType.ALL,
         )
         vpc_id = self.vpc.vpc_id
-
-        # Public /28 holding only the NAT gateway. No public IPs are ever auto-assigned.
-        self.nat_subnet = ec2.CfnSubnet(
-            self, "NatSubnet", vpc_id=vpc_id, cidr_block=props.nat_subnet_cidr,
-            availability_zone_id=props.az_id, map_public_ip_on_launch=False,
-            tags=[cdk.CfnTag(key="Name", value="nat")])
-        igw = ec2.CfnInternetGateway(self, "InternetGateway")
-        attach = ec2.CfnVPCGatewayAttachment(self, "InternetGatewayAttachment", vpc_id=vpc_id,
-                                             internet_gateway_id=igw.ref)
-        public_rt = ec2.CfnRouteTable(self, "NatRouteTable", vpc_id=vpc_id)
-        ec2.CfnSubnetRouteTableAssociation(self, "NatRouteTableAssociation",
-                                           subnet_id=self.nat_subnet.ref, route_table_id=public_rt.ref)
-        to_igw = ec2.CfnRoute(self, "NatDefaultRoute", route_table_id=public_rt.ref,
-                              destination_cidr_block="0.0.0.0/0", gateway_id=igw.ref)
-        to_igw.node.add_dependency(attach)
-        acknowledge(to_igw, "HIPAA.Security::HIPAA.Security-VPCNoUnrestrictedRouteToIGW",
-                    "Only the NAT gateway's /28 subnet routes to the internet gateway; no instance "
-                    "runs there and no public IP is auto-assigned. Cluster nodes sit in the private "
-                    "subnet and reach the internet (Neuron/PyPI repositories, AWS APIs) only through NAT.")
-        eip = ec2.CfnEIP(self, "NatAddress", domain="vpc")
-        nat = ec2.CfnNatGateway(self, "NatGateway", subnet_id=self.nat_subnet.ref,
-                                allocation_id=eip.attr_allocation_id)
-        nat.node.add_dependency(to_igw)
+        private = props.private_endpoints is not None
+        nat = None if private else self._nat_egress(props)
 
         # Private subnet: every HyperPod node and the FSx file system.
         self.cluster_subnet = ec2.CfnSubnet(
@@ -201,14 +189,17 @@ class Network(Construct):
         private_rt = ec2.CfnRouteTable(self, "ClusterRouteTable", vpc_id=vpc_id)
         ec2.CfnSubnetRouteTableAssociation(self, "ClusterRouteTableAssociation",
                                            subnet_id=self.cluster_subnet.ref, route_table_id=private_rt.ref)
-        ec2.CfnRoute(self, "ClusterDefaultRoute", route_table_id=private_rt.ref,
-                     destination_cidr_block="0.0.0.0/0", nat_gateway_id=nat.ref)
+        if nat is not None:
+            ec2.CfnRoute(self, "ClusterDefaultRoute", route_table_id=private_rt.ref,
+                         destination_cidr_block="0.0.0.0/0", nat_gateway_id=nat.ref)
         # S3 traffic (datasets, checkpoints, FSx is separate) stays on the AWS network and
-        # avoids NAT data-processing charges.
+        # avoids NAT data-processing charges. Private: the only way to S3, bounded by its policy.
         self.s3_endpoint = ec2.CfnVPCEndpoint(
             self, "S3Endpoint", vpc_id=vpc_id, vpc_endpoint_type="Gateway",
             service_name=f"com.amazonaws.{cdk.Aws.REGION}.s3",
-            route_table_ids=[private_rt.ref, public_rt.ref])
+            route_table_ids=[private_rt.ref] + ([] if private else [self.public_route_table.ref]),
+            policy_document=s3_gateway_policy(account=cdk.Aws.ACCOUNT_ID, region=cdk.Aws.REGION,
+                                               partition=cdk.Aws.PARTITION) if private else None)
 
         # EFA requires a security group that allows ALL traffic from and to itself, inbound
         # AND outbound; the EFA health checks fail without both
@@ -230,6 +221,37 @@ class Network(Construct):
         self.accounting = None if props.accounting_subnet_cidrs is None else AccountingNetwork(
             self, "Accounting", props=AccountingNetworkProps(
                 vpc=self.vpc, subnet_cidrs=props.accounting_subnet_cidrs, cluster_security_group=self.security_group))
+        self.private_endpoints = None if not private else PrivateEndpoints(
+            self, "Endpoints", props=PrivateEndpointsProps(
+                vpc=self.vpc, subnet=self.cluster_subnet, cluster_security_group=self.security_group,
+                endpoints=props.private_endpoints))
+
+    def _nat_egress(self, props: NetworkProps) -> ec2.CfnNatGateway:
+        """A public /28 holding only the NAT gateway, its internet gateway and route. No public IPs
+        are ever auto-assigned."""
+        vpc_id = self.vpc.vpc_id
+        self.nat_subnet = ec2.CfnSubnet(
+            self, "NatSubnet", vpc_id=vpc_id, cidr_block=props.nat_subnet_cidr,
+            availability_zone_id=props.az_id, map_public_ip_on_launch=False,
+            tags=[cdk.CfnTag(key="Name", value="nat")])
+        igw = ec2.CfnInternetGateway(self, "InternetGateway")
+        attach = ec2.CfnVPCGatewayAttachment(self, "InternetGatewayAttachment", vpc_id=vpc_id,
+                                             internet_gateway_id=igw.ref)
+        self.public_route_table = ec2.CfnRouteTable(self, "NatRouteTable", vpc_id=vpc_id)
+        ec2.CfnSubnetRouteTableAssociation(self, "NatRouteTableAssociation",
+                                           subnet_id=self.nat_subnet.ref, route_table_id=self.public_route_table.ref)
+        to_igw = ec2.CfnRoute(self, "NatDefaultRoute", route_table_id=self.public_route_table.ref,
+                              destination_cidr_block="0.0.0.0/0", gateway_id=igw.ref)
+        to_igw.node.add_dependency(attach)
+        acknowledge(to_igw, "HIPAA.Security::HIPAA.Security-VPCNoUnrestrictedRouteToIGW",
+                    "Only the NAT gateway's /28 subnet routes to the internet gateway; no instance "
+                    "runs there and no public IP is auto-assigned. Cluster nodes sit in the private "
+                    "subnet and reach the internet (Neuron/PyPI repositories, AWS APIs) only through NAT.")
+        eip = ec2.CfnEIP(self, "NatAddress", domain="vpc")
+        nat = ec2.CfnNatGateway(self, "NatGateway", subnet_id=self.nat_subnet.ref,
+                                allocation_id=eip.attr_allocation_id)
+        nat.node.add_dependency(to_igw)
+        return nat
 
 
 class NetworkStack(cdk.Stack):
@@ -242,4 +264,5 @@ class NetworkStack(cdk.Stack):
             cluster_subnet_cidr=config.private_subnet_cidr, nat_subnet_cidr=config.public_subnet_cidr,
             removal_policy=removal_policy(config), project=config.projectName, cloud_trail=config.cloudTrail,
             log_retention_days=config.logRetentionDays,
-            accounting_subnet_cidrs=config.accounting_subnet_cidrs if config.slurmAccounting else None))
+            accounting_subnet_cidrs=config.accounting_subnet_cidrs if config.slurmAccounting else None,
+            private_endpoints=required_endpoints(config) if config.privateNetwork else None))

@@ -40,13 +40,16 @@ class Platform:
     serving: ServingStack | None = None
 
 
-def build_app(context: Mapping[str, Any] | None = None, *, outdir: str | None = None) -> Platform:
+def build_app(context: Mapping[str, Any] | None = None, *, outdir: str | None = None,
+              wheelhouse_root: Path | None = None) -> Platform:
     """Build the app. Under the CLI, context comes from cdk.json + ``-c``; in tests pass it.
 
     Args:
         context: extra context for in-process use (tests); merged over cdk.json's context.
             None = the CLI case, where the CLI already passes cdk.json's context.
         outdir: cloud assembly directory for in-process synth.
+        wheelhouse_root: where the wheelhouses of a private cluster are (default: build/wheelhouse,
+            what ``make wheelhouse`` fills; tests pass their own).
 
     Raises:
         ConfigError: a bad context value (one line: key, value, what is allowed).
@@ -60,13 +63,15 @@ def build_app(context: Mapping[str, Any] | None = None, *, outdir: str | None = 
     env = cdk.Environment(account=config.account or None, region=config.region or None)
     p = config.projectName
     # Construct ID = stack name, so `cdk deploy/destroy <project>-cluster` selects it.
+    egress = "no internet egress, interface endpoints" if config.privateNetwork else "NAT"
     network = NetworkStack(app, f"{p}-network", stack_name=f"{p}-network", env=env, config=config,
-                           description=f"{p}: VPC, cluster subnet, NAT, S3 endpoint, flow logs, EFA security group")
+                           description=f"{p}: VPC, cluster subnet, {egress}, S3 endpoint, flow logs, EFA security group")
     storage = StorageStack(app, f"{p}-storage", stack_name=f"{p}-storage", env=env, config=config,
                            network=network.network,
                            description=f"{p}: KMS key, data/artefacts/lifecycle buckets, FSx for Lustre")
     cluster = ClusterStack(app, f"{p}-cluster", stack_name=f"{p}-cluster", env=env, config=config,
                            network=network.network, storage=storage,
+                           **({"wheelhouse_root": wheelhouse_root} if wheelhouse_root is not None else {}),
                            description=f"{p}: HyperPod Slurm cluster, execution role, lifecycle scripts")
     # The cluster names storage's buckets by their deterministic names; keep the order explicit.
     cluster.add_stack_dependency(storage)

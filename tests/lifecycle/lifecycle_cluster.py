@@ -146,6 +146,18 @@ STANDINS = {
              '  case $inc in */*) files="$files $PLATFORM_ROOT$inc";; *) files="$files $conf/$inc";; esac; done\n'
              'for so in $(cat $files 2>/dev/null | sed -n "s/^ *\\(required\\|optional\\) *\\([^ ]*spank_pyxis.so\\).*/\\2/p"); do\n'
              '  if [ -f "$PLATFORM_ROOT$so" ]; then echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"; break; fi; done'),
+    # `aws s3 cp --recursive --region R s3://BUCKET/PREFIX DIR` on a node (system.sh s3_download_prefix):
+    # every object under the prefix into DIR, keys relative to it, and exit 0 when there is none (AWS
+    # CLI Command Reference, s3 cp). Here bucket B is the directory $STANDIN_S3/B. A private subnet
+    # reaches S3 only through its own region's gateway endpoint: any other region (or none, the
+    # CLI's us-east-1 default) gets the CLI's connection error and exit 255, as a node would.
+    "aws": ('[ "$1 $2" = "s3 cp" ] || { echo "aws $1 $2: not stood in" >&2; exit 252; }\n'
+            'shift 2; region=; src=; dst=\n'
+            'while [ $# -gt 0 ]; do case $1 in --region) region=$2; shift 2;; s3://*) src=${1#s3://}; shift;;\n'
+            '  --*) shift;; *) dst=$1; shift;; esac; done\n'
+            'if [ "$region" != "$STANDIN_REGION" ]; then\n'
+            '  echo "Could not connect to the endpoint URL: \\"https://s3.${region:-us-east-1}.amazonaws.com/${src%%/*}\\"" >&2; exit 255; fi\n'
+            'mkdir -p "$dst"; if [ -d "$STANDIN_S3/$src" ]; then cp -R "$STANDIN_S3/$src/." "$dst/"; fi'),
 }
 # iptables / ip6tables on a node: the IMDS step's rules (lifecycle_scripts/imds_block.sh). Here a
 # stand-in keeps them per node under $PLATFORM_ROOT/run/standin-netfilter: this machine's own
@@ -232,6 +244,9 @@ def settings(package_hash: str) -> dict:
         "home_root": "/fsx/home",
         "slurm_accounting": False,
         "container_runtime": True,
+        "private_network": False,
+        "image_registry": "123456789012.dkr.ecr.eu-west-1.amazonaws.com",
+        "wheelhouses": {},
     }
 
 
@@ -264,15 +279,19 @@ def make_standins(bin_dir: Path) -> Path:
     return bin_dir
 
 
-def build_wheel(dist: Path, name: str) -> Path:
-    """A pure-Python wheel whose module `name` says it is a stand-in (pip installs it offline)."""
-    info = f"{name}-0.0.0.dist-info"
-    wheel = dist / f"{name}-0.0.0-py3-none-any.whl"
+def build_wheel(dist: Path, name: str, version: str = "0.0.0", *, requires: tuple[str, ...] = (),
+                tag: str = "py3-none-any") -> Path:
+    """A wheel whose module `name` says it is a stand-in (pip installs it offline), with the
+    dependencies (METADATA Requires-Dist, PEP 508 markers allowed) and the tag given (PEP 427)."""
+    info = f"{name}-{version}.dist-info"
+    wheel = dist / f"{name}-{version}-{tag}.whl"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr(f"{name}/__init__.py", f'"""Stand-in for {name} in lifecycle tests."""\nSTANDIN = "{name}"\n')
-        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.0\n")
-        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: sana-tests\nRoot-Is-Purelib: true\n"
-                                    "Tag: py3-none-any\n")
+        z.writestr(f"{info}/METADATA", metadata)
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: sana-tests\n"
+                                    f"Root-Is-Purelib: {'true' if tag.endswith('-none-any') else 'false'}\nTag: {tag}\n")
         z.writestr(f"{info}/RECORD", f"{name}/__init__.py,,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
     return wheel
 

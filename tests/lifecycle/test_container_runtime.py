@@ -255,3 +255,47 @@ def test_container_runtime_off_installs_nothing_and_warns(tmp_path, standins, so
     assert done.returncode == 0
     assert (tmp_path / "warnings").read_text().startswith("containerRuntime=false: enroot and pyxis are not installed")
     assert not (root / "usr").exists() and not (root / "etc/enroot").exists()
+
+
+# ---- privateNetwork: nothing downloaded, images from this account's ECR only -------------------
+PRIVATE_CAUSE = ("{what} is not on this AMI and a private cluster (privateNetwork) cannot download it: no internet "
+                 "egress to NVIDIA's releases on github.com or Ubuntu's archive; container jobs need an AMI that "
+                 'carries enroot and pyxis (runbooks/containers.md, "Private network")\n')
+
+
+def test_a_private_cluster_downloads_nothing_and_says_why_in_one_line(tmp_path, standins, sources):
+    """The local release files stand for GitHub: reachable here, so a step that tried would succeed."""
+    root, env = node(tmp_path, standins, sources)
+    env.update(CFG_PRIVATE_NETWORK="true", STEP_ERROR_FILE=str(tmp_path / "error"))
+    done = run(env)
+    assert done.returncode == 1
+    assert (tmp_path / "error").read_text() == PRIVATE_CAUSE.format(what="enroot")
+    assert not [c for c in calls(tmp_path) if c.startswith("apt-get")]
+    assert not (root / "usr/bin/enroot").exists() and not (root / "etc/enroot/enroot.conf").exists()
+
+
+def test_a_private_cluster_on_an_ami_with_enroot_but_no_pyxis_names_pyxis(tmp_path, standins, sources):
+    root, env = node(tmp_path, standins, sources)
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "usr/bin/enroot").write_text("#!/bin/sh\necho 3.5.0\n")
+    (root / "usr/bin/enroot").chmod(0o755)
+    env.update(CFG_PRIVATE_NETWORK="true", STEP_ERROR_FILE=str(tmp_path / "error"))
+    done = run(env)
+    assert done.returncode == 1
+    assert (tmp_path / "error").read_text() == PRIVATE_CAUSE.format(what="pyxis")
+    assert not (root / "usr/local/lib/slurm/spank_pyxis.so").exists()
+
+
+def test_a_private_cluster_on_an_ami_with_both_configures_enroot(tmp_path, standins, sources):
+    root, env = node(tmp_path, standins, sources)
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "usr/bin/enroot").write_text("#!/bin/sh\necho 3.5.0\n")
+    (root / "usr/bin/enroot").chmod(0o755)
+    (root / "usr/local/lib/slurm").mkdir(parents=True)
+    (root / "usr/local/lib/slurm/spank_pyxis.so").write_bytes(b"\x7fELF")
+    env.update(CFG_PRIVATE_NETWORK="true", CFG_IMAGE_REGISTRY="123456789012.dkr.ecr.eu-west-1.amazonaws.com")
+    done = run(env)
+    assert done.returncode == 0, done.stderr
+    assert conf(root)["ENROOT_CONFIG_PATH"] == "${HOME}/.config/enroot"
+    assert ("private network: container images only from 123456789012.dkr.ecr.eu-west-1.amazonaws.com, imported "
+            "by root (import_image.sh)") in done.stdout

@@ -165,3 +165,56 @@ def test_a_rerun_whose_pinned_package_is_gone_fails_in_one_line(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         f"launch.sh: the package job 7 was pinned to ({gone}, in {logs / 'pinned-env'}) is gone; "
         "resubmit the job to run the current package")
+
+
+# ---- privateNetwork: images only from this account's ECR --------------------------------------
+OWN_REGISTRY = "123456789012.dkr.ecr.eu-west-1.amazonaws.com"
+
+
+def installed_package(tmp_path: Path, *, private: bool) -> Path:
+    """The launcher as the lifecycle installs it: <fsx>/platform/<hash>/training/slurm/launch.sh with
+    the package's platform settings in <hash>/lifecycle/ (lifecycle_scripts/install_package.sh)."""
+    package = tmp_path / "fsx" / "platform" / "0123456789abcdef"
+    (package / "training" / "slurm").mkdir(parents=True)
+    shutil.copy(SLURM_DIR / "launch.sh", package / "training" / "slurm" / "launch.sh")
+    (package / "lifecycle").mkdir()
+    (package / "lifecycle" / "platform-settings.json").write_text(
+        f'{{"private_network": {str(private).lower()}, "image_registry": "{OWN_REGISTRY}"}}')
+    return package / "training" / "slurm" / "launch.sh"
+
+
+def container_job(tmp_path: Path, launcher: Path, image: str) -> subprocess.CompletedProcess:
+    (tmp_path / "fsx" / "images").mkdir(exist_ok=True)
+    return subprocess.run(["bash", str(launcher), "job", "gpu"], capture_output=True, text=True, cwd=tmp_path,
+                          env=launcher_env(tmp_path, SANA_CONTAINER_IMAGE=image))
+
+
+@pytest.mark.parametrize("image", ["docker.io/library/ubuntu:24.04", "nvcr.io/nvidia/pytorch:25.01-py3",
+                                   "763104351884.dkr.ecr.us-east-1.amazonaws.com/pytorch-training:2.6.0-gpu"])
+def test_a_private_cluster_refuses_an_image_from_another_registry_in_one_line(tmp_path, image):
+    proc = container_job(tmp_path, installed_package(tmp_path, private=True), image)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"launch.sh: SANA_CONTAINER_IMAGE={image}: registry {image.split('/')[0]} is not this cluster's; a private "
+        f"cluster runs images from its own ECR only ({OWN_REGISTRY}): push the image there (make push-image), have "
+        "it imported and name it by its URI (runbooks/containers.md)"]
+
+
+def test_a_private_cluster_refuses_a_squashfs_file_that_was_not_imported_from_ecr(tmp_path):
+    own = tmp_path / "mine.sqsh"
+    own.write_bytes(b"hsqs")
+    proc = container_job(tmp_path, installed_package(tmp_path, private=True), str(own))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"launch.sh: SANA_CONTAINER_IMAGE={own}: not an image imported from ECR into {tmp_path}/fsx/images; "
+        "a private cluster runs images from its own ECR only")
+
+
+def test_a_private_cluster_takes_its_own_registry_and_online_clusters_any(tmp_path):
+    """The registry check passes; what follows is the usual store lookup (nothing imported here)."""
+    own = f"{OWN_REGISTRY}/sana/sana-gpu:0123456789abcdef-89abcdef"
+    proc = container_job(tmp_path / "private", installed_package(tmp_path / "private", private=True), own)
+    assert proc.returncode == 1 and f"SANA_CONTAINER_IMAGE={own}: not imported on this cluster" in proc.stderr
+    other = "nvcr.io/nvidia/pytorch:25.01-py3"
+    proc = container_job(tmp_path / "online", installed_package(tmp_path / "online", private=False), other)
+    assert proc.returncode == 1 and f"SANA_CONTAINER_IMAGE={other}: not imported on this cluster" in proc.stderr

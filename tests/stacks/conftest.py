@@ -14,6 +14,11 @@ variants are chosen to cover every shape the issue names with three apps:
   security group), with two users, a custom group, named key administrators and users, and
   another log retention.
 
+- ``private``: privateNetwork on (no NAT or internet gateway, interface endpoints, the
+  wheelhouse uploads) with slurmAccounting (the Secrets Manager endpoint); its wheelhouses are
+  stand-ins ``stand_in_wheelhouses`` makes for the real requirements files (the real ones are
+  several GB; tests/lifecycle/test_private_env.py builds a small real one).
+
 The optional ``<project>-serving`` stack rides on two of them instead of costing a synth of its
 own: ``trn_only`` adds ``serving=true`` with the defaults (ml.inf2.xlarge, the Neuron DLC of the
 pinned region, the volume on the platform key), ``accounting`` adds the GPU alternative
@@ -52,6 +57,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
                    "serving": "true", "servingInstanceType": "ml.g6.xlarge", "servingDataCapture": "true",
                    "servingMaxInstances": "4",
                    "servingModelDataUrl": "s3://sana-artefacts-123456789012-us-east-1/serving/model-ba9876543210.tar.gz"},
+    "private": {"privateNetwork": "true", "slurmAccounting": "true"},
 }
 CLI_VARIANTS = {"gpu_only"}
 
@@ -129,6 +135,21 @@ def _start_cli_synths(request, tmp_path_factory):
         job.stop()
 
 
+def stand_in_wheelhouse(root: Path, kind: str, names: tuple[str, ...] = ("torch", "numpy")) -> Path:
+    """A wheelhouse of ``kind`` keyed by the real requirements file, holding small stand-in wheels,
+    locked by the real stacks/wheelhouse.py ``finish``."""
+    import zipfile
+
+    from stacks import wheelhouse
+
+    incoming = root / f".incoming-{kind}"
+    incoming.mkdir(parents=True)
+    for name in names:
+        with zipfile.ZipFile(incoming / f"{name}-0.0.0-py3-none-any.whl", "w") as z:
+            z.writestr(f"{name}/__init__.py", f'"""Stand-in {name} (tests/stacks)."""\n')
+    return wheelhouse.finish(incoming, kind=kind, target=wheelhouse.Target(), root=root).path
+
+
 def _synth(name: str, outdir: Path) -> Synth:
     from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_hash
 
@@ -142,7 +163,12 @@ def _synth(name: str, outdir: Path) -> Synth:
     else:
         from stacks.platform import build_app
 
-        platform = build_app(context, outdir=str(outdir))
+        wheelhouses = None
+        if context.get("privateNetwork"):
+            wheelhouses = outdir.parent / f"{outdir.name}-wheelhouses"
+            for kind in ("gpu", "neuron"):
+                stand_in_wheelhouse(wheelhouses, kind)
+        platform = build_app(context, outdir=str(outdir), wheelhouse_root=wheelhouses)
         platform.app.synth()
     if package_hash(LIFECYCLE_DIR, TRAINING_DIR) != expected_hash:
         expected_hash = ""  # edited while synthesizing (several engineers share this checkout)
@@ -197,3 +223,8 @@ def trn_only(synthesized) -> Synth:
 @pytest.fixture(scope="session")
 def accounting(synthesized) -> Synth:
     return synthesized("accounting")
+
+
+@pytest.fixture(scope="session")
+def private(synthesized) -> Synth:
+    return synthesized("private")

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("variant", ["default", "gpu_only", "trn_only", "accounting"])
+@pytest.mark.parametrize("variant", ["default", "gpu_only", "trn_only", "accounting", "private"])
 def test_audit_passes_with_zero_open_findings(synthesized, variant):
     synth = synthesized(variant)
     result = audit(synth.outdir)
@@ -38,7 +38,7 @@ def test_every_acknowledgement_has_a_real_reason(default):
         assert finding.reason and len(finding.reason) > 60, finding
 
 
-@pytest.mark.parametrize("variant", ["default", "accounting"])
+@pytest.mark.parametrize("variant", ["default", "accounting", "private"])
 def test_compliance_runbook_lists_every_acknowledged_rule(synthesized, variant):
     runbook = (REPO / "runbooks" / "compliance.md").read_text()
     result = audit(synthesized(variant).outdir, lint=False)

@@ -262,7 +262,7 @@ def test_platform_settings_json_follows_the_contract(default):
                   if "SourceMarkers" in d["Properties"]]
     # Deploy-time values (bucket names, region) are markers the deployment handler replaces.
     text = settings_file.read_text()
-    refs = {"AWS::AccountId": "123456789012", "AWS::Region": "us-east-1"}
+    refs = {"AWS::AccountId": "123456789012", "AWS::Region": "us-east-1", "AWS::URLSuffix": "amazonaws.com"}
     for markers in scripts["Properties"]["SourceMarkers"]:
         for marker, value in markers.items():
             text = text.replace(marker, _render(value, refs))
@@ -283,6 +283,9 @@ def test_platform_settings_json_follows_the_contract(default):
         "home_root": "/fsx/home",
         "slurm_accounting": False,
         "container_runtime": True,
+        "private_network": False,
+        "image_registry": "123456789012.dkr.ecr.us-east-1.amazonaws.com",
+        "wheelhouses": {},
     }
 
 

@@ -336,6 +336,18 @@ trusted_path() {
   done
 }
 
+# The registry a job of a private cluster may run images from (its own ECR), or nothing: read from
+# the platform settings installed with this package (lifecycle_scripts/install_package.sh copies
+# them to <package>/lifecycle/, world-readable; a checkout has none and is not a private cluster).
+private_image_registry() {
+  local settings=$PACKAGE_ROOT/lifecycle/platform-settings.json
+  [[ -e $settings ]] || return 0
+  python3 -c 'import json, sys
+s = json.load(open(sys.argv[1]))
+print(s["image_registry"] if s.get("private_network") else "")' "$settings" 2>/dev/null \
+    || die "cannot read the private_network and image_registry settings of $settings (installed with this package)"
+}
+
 # The .sqsh of an image digest in the store (present or not).
 store_path_of() {
   echo "${SANA_IMAGES_DIR:-$SANA_FSX/images}/sha256-$1.sqsh"
@@ -345,6 +357,20 @@ store_path_of() {
 resolve_container_image() {
   local image=$1 why digest index store=${SANA_IMAGES_DIR:-$SANA_FSX/images}
   local import_hint="the platform team imports it: sudo bash /fsx/platform/current/lifecycle/import_image.sh $image (runbooks/containers.md)"
+  local only_registry
+  only_registry=$(private_image_registry) || exit 1
+  if [[ -n $only_registry ]]; then
+    # privateNetwork: images come from this account's ECR only, imported by root into the store.
+    local ecr_only="a private cluster runs images from its own ECR only ($only_registry): push the image there (make push-image), have it imported and name it by its URI (runbooks/containers.md)"
+    if [[ $image == /* ]]; then
+      local resolved
+      resolved=$(readlink -f "$image")
+      [[ $(dirname "$resolved") == "$(readlink -f "$store")" && $(basename "$resolved") =~ ^sha256-[0-9a-f]{64}\.sqsh$ ]] \
+        || die "SANA_CONTAINER_IMAGE=$image: not an image imported from ECR into $store; $ecr_only"
+    elif [[ ${image%%/*} != "$only_registry" ]]; then
+      die "SANA_CONTAINER_IMAGE=$image: registry ${image%%/*} is not this cluster's; $ecr_only"
+    fi
+  fi
   if [[ $image == /* ]]; then
     [[ -f $image ]] || die "SANA_CONTAINER_IMAGE=$image: no such file; import it first (runbooks/containers.md) or give an image URI"
     why=$(trusted_path "$image")

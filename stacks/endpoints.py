@@ -1,0 +1,259 @@
+"""The AWS APIs a private cluster (``privateNetwork=true``) reaches through VPC endpoints, and why.
+
+Without a NAT or internet gateway a node reaches an AWS API only through a VPC endpoint in its
+subnet, so the list below is the whole of "what can leave the subnet". It is written from three
+sources, each entry naming its own:
+
+- the code that runs on the nodes: every ``boto3`` client and ``aws <service>`` command under
+  training/ and lifecycle_scripts/ (``services_used`` finds them; tests/stacks/test_endpoints.py
+  fails when one has no endpoint here, so a new client cannot ship without one);
+- the agents on every HyperPod node: the HyperPod node agent (the actions of its managed policy,
+  AmazonSageMakerClusterInstanceRolePolicy, mirrored in awslabs/awsome-distributed-ai
+  1.architectures/5.sagemaker-hyperpod/1.AmazonSageMakerClustersExecutionRolePolicy.json) and the
+  SSM agent (Session Manager, which HyperPod's node access uses);
+- the configuration: Secrets Manager with ``slurmAccounting`` (the controller reads slurmdbd's
+  secret), Amazon Managed Service for Prometheus when an ``observability`` key is on.
+
+Endpoint policies. VPC endpoint policies bound what may pass through the endpoint (they grant
+nothing; IAM still decides). Where a service accepts them they admit only this account's
+identities acting on this account's resources (``aws:PrincipalAccount`` + ``aws:ResourceAccount``)
+and AWS service principals, the identity and resource perimeter of AWS's data-perimeter examples
+(aws-samples/data-perimeter-policy-examples vpc_endpoint_policies/default_endpoint_policy.json,
+with the account in place of the organization), plus the service-owned resources a service is
+documented to need (the same repository's ssm_endpoint_policy.json and s3_endpoint_policy.json,
+service_owned_resources.md). Services whose endpoints take no policy keep the default one.
+
+This module imports aws_cdk only inside the construct (the list and the scan are plain data, used by
+the tests and the audit).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+#: The code that runs on cluster nodes (jobs, the lifecycle, the node agents' helpers).
+NODE_CODE = (REPO / "training", REPO / "lifecycle_scripts")
+DATA_PERIMETER = "aws-samples/data-perimeter-policy-examples"
+HYPERPOD_POLICY = ("awslabs/awsome-distributed-ai 1.architectures/5.sagemaker-hyperpod/"
+                   "1.AmazonSageMakerClustersExecutionRolePolicy.json")
+SSM_ENDPOINTS_DOC = ("https://docs.aws.amazon.com/systems-manager/latest/userguide/"
+                     "setup-create-vpc.html")
+
+#: Endpoint policy kinds:
+#: "perimeter": this account's identities on this account's resources; the data-perimeter
+#:   repository's service_specific_guidance/<service>-specific-guidance.md says the VPC-endpoint
+#:   resource perimeter needs no further exception for sts, logs, cloudwatch, kms, secretsmanager,
+#:   amp, and names the ones for ecr (service-owned repositories: not pulled from here) and ssm
+#:   (AWS-owned documents and public parameters, added below).
+#: "identity": this account's identities on any resource: sagemaker.api, for which that repository
+#:   has no guidance, so a resource condition could refuse a call HyperPod's tooling makes.
+#: "none": no policy, the default stays: ec2messages reports VpcEndpointPolicySupported false
+#:   (aws/aws-cli awscli/examples/ec2/describe-vpc-endpoint-services.rst), and for ssmmessages none is
+#:   documented; their actions take no resource (Service Authorization Reference, "Amazon Message
+#:   Gateway Service", "Amazon Message Delivery Service"), so there is no resource to bound, and
+#:   the execution role's managed policy limits them.
+POLICY_KINDS = ("perimeter", "identity", "none")
+#: When an endpoint exists: always, or only with a configuration key on.
+WHEN = ("always", "slurmAccounting", "observability")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Endpoint:
+    """One interface endpoint: ``com.amazonaws.<region>.<service>``."""
+
+    service: str
+    why: str
+    """Who calls this API from the cluster subnet."""
+    source: str
+    """Where that is written: a file of this repository, a public repository path or a URL."""
+    uses: tuple[str, ...] = ()
+    """The boto3 client / AWS CLI service names (``services_used``) this endpoint serves."""
+    policy: str = "perimeter"
+    when: str = "always"
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z0-9-]+(\.[a-z0-9-]+)?", self.service):
+            raise ValueError(f"endpoint service {self.service!r}: expected the part after com.amazonaws.<region>.")
+        if self.policy not in POLICY_KINDS:
+            raise ValueError(f"endpoint {self.service}: policy {self.policy!r} not one of {POLICY_KINDS}")
+        if self.when not in WHEN:
+            raise ValueError(f"endpoint {self.service}: when {self.when!r} not one of {WHEN}")
+
+
+INTERFACE_ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint(service="ecr.api", uses=("ecr",),
+             why="import_image.sh resolves a tag to its digest (BatchGetImage) and logs in "
+                 "(GetAuthorizationToken) before enroot pulls the image",
+             source="lifecycle_scripts/import_image.sh"),
+    Endpoint(service="ecr.dkr", uses=("ecr-registry",),
+             why="enroot import docker://<account>.dkr.ecr.<region>.amazonaws.com#... pulls the manifest and "
+                 "layers through the registry API (layers then come from S3 through the gateway endpoint)",
+             source="lifecycle_scripts/import_image.sh; https://docs.aws.amazon.com/AmazonECR/latest/userguide/"
+                    "vpc-endpoints.html"),
+    Endpoint(service="logs", uses=("logs",),
+             why="the HyperPod node agent ships each node's lifecycle and Slurm logs to "
+                 "/aws/sagemaker/Clusters/<cluster> (logs:CreateLogStream, PutLogEvents)",
+             source=HYPERPOD_POLICY),
+    Endpoint(service="monitoring", uses=("cloudwatch",),
+             why="the HyperPod node agent puts node metrics (cloudwatch:PutMetricData, namespace "
+                 "/aws/sagemaker/Clusters)",
+             source=HYPERPOD_POLICY),
+    Endpoint(service="ssm", uses=("ssm",), policy="perimeter",
+             why="the SSM agent registers the node and fetches its documents (Session Manager access to nodes)",
+             source=SSM_ENDPOINTS_DOC),
+    Endpoint(service="ssmmessages", uses=("ssmmessages",), policy="none",
+             why="Session Manager's data channel (ssmmessages:Create/OpenControlChannel, Create/OpenDataChannel "
+                 "in the HyperPod managed policy)",
+             source=f"{HYPERPOD_POLICY}; {SSM_ENDPOINTS_DOC}"),
+    Endpoint(service="ec2messages", uses=("ec2messages",), policy="none",
+             why="the SSM agent's command channel (agents before 3.3.40.0 use only this one)",
+             source=SSM_ENDPOINTS_DOC),
+    Endpoint(service="sts", uses=("sts",),
+             why="regional STS for SDK and CLI calls that resolve the caller's identity, e.g. the "
+                 "connectivity check of runbooks/deploy.md (aws sts get-caller-identity on a node)",
+             source="https://docs.aws.amazon.com/IAM/latest/UserGuide/id_credentials_sts_vpce.html"),
+    Endpoint(service="sagemaker.api", uses=("sagemaker",), policy="identity",
+             why="SageMaker API calls from a node: the runbooks' aws sagemaker commands (describe-cluster, "
+                 "list-cluster-nodes, batch-replace-cluster-nodes) when run on the login node",
+             source="https://docs.aws.amazon.com/sagemaker/latest/dg/interface-vpc-endpoint.html"),
+    Endpoint(service="kms", uses=("kms",),
+             why="KMS calls from a node: Session Manager sessions encrypted with a KMS key, SecureString "
+                 "parameters, client-side encryption with the platform key",
+             source=SSM_ENDPOINTS_DOC),
+    Endpoint(service="secretsmanager", uses=("secretsmanager",), when="slurmAccounting",
+             why="the controller reads slurmdbd's database login from the secret that "
+                 "ClusterAccountingDatabase.SecretArn names",
+             source="stacks/accounting.py; stacks/cluster.py (ReadAccountingDatabaseSecret)"),
+    Endpoint(service="aps-workspaces", uses=("aps-workspaces",), when="observability",
+             why="Prometheus remote write (SigV4) from the nodes' metrics agent to the Amazon Managed "
+                 "Service for Prometheus workspace",
+             source="awslabs/awsome-distributed-ai 1.architectures/7.sagemaker-hyperpod-eks/terraform-modules/"
+                    "hyperpod-eks-tf/modules/observability/vpc_endpoints.tf"),
+)
+
+#: Served by the S3 *gateway* endpoint (no interface endpoint; the route table carries S3's prefix list).
+GATEWAY_USES = ("s3", "s3api")
+
+#: Clients found in the node code that run somewhere else or fail in one line by design, with why.
+OFF_CLUSTER_USES: Mapping[str, str] = {
+    "pricing": ("training/decision/aws_prices.py (`--prices aws`): the Price List API is served from "
+                "us-east-1, eu-central-1 and ap-south-1 only, so no endpoint in the cluster's region reaches "
+                "it; run the decision report where the internet is reachable (it fails in one line on a "
+                "private cluster, and `--prices-cache` reuses the last fetch)"),
+}
+
+#: AWS-owned buckets the nodes read through the S3 gateway endpoint (data-perimeter-policy-examples
+#: vpc_endpoint_policies/s3_endpoint_policy.json, "AllowRequestsToAWSOwnedResources"): ECR's image
+#: layers, the SSM agent's and CloudWatch agent's packages. ``{region}`` is filled at synth.
+S3_AWS_OWNED_OBJECTS = (
+    "prod-{region}-starport-layer-bucket",
+    "aws-ssm-{region}", "amazon-ssm-{region}", "amazon-ssm-packages-{region}", "{region}-birdwatcher-prod",
+    "aws-ssm-distributor-file-{region}", "aws-ssm-document-attachments-{region}",
+    "patch-baseline-snapshot-{region}", "amazoncloudwatch-agent-{region}", "amazoncloudwatch-agent",
+)
+#: SSM documents and public parameters are owned by AWS (ssm_endpoint_policy.json,
+#: "AllowRequestsByOrgsIdentitiesToAWSResources"); ``{region}``/``{partition}`` filled at synth.
+SSM_AWS_OWNED = ("arn:{partition}:ssm:{region}::parameter/aws/*", "arn:{partition}:ssm:{region}::document/*",
+                 "arn:{partition}:ssm:*::automation-definition/*")
+SSM_AWS_OWNED_ACTIONS = ("ssm:Describe*", "ssm:List*", "ssm:Get*", "ssm:SendCommand", "ssm:CreateAssociation",
+                         "ssm:StartSession", "ssm:StartAutomationExecution")
+
+
+def required_endpoints(config: Any) -> tuple[Endpoint, ...]:
+    """The interface endpoints a private cluster with this configuration needs.
+
+    ``observability`` is read with getattr: the key belongs to the observability stacks, and a
+    configuration without it has no metrics agent to reach Amazon Managed Prometheus.
+    """
+    on = {"always": True, "slurmAccounting": bool(getattr(config, "slurmAccounting", False)),
+          "observability": bool(getattr(config, "observability", False))}
+    return tuple(e for e in INTERFACE_ENDPOINTS if on[e.when])
+
+
+# ---- what the node code calls --------------------------------------------------------------------
+_CLIENT = re.compile(r"""\b(?:client|resource)\(\s*["']([a-z0-9-]+)["']""")
+_CLI = re.compile(r"""(?<![\w./-])aws\s+([a-z0-9-]+)\s+[a-z]""")
+_REGISTRY_PULL = re.compile(r"""\benroot\s+import\b|\bdocker\s+pull\b|\bpodman\s+pull\b""")
+SCANNED_SUFFIXES = (".py", ".sh", ".sbatch")
+
+
+def aws_service_names() -> frozenset[str]:
+    """Every service name botocore (and so boto3 and the AWS CLI) knows, plus the CLI's own ``s3``."""
+    import botocore.session  # noqa: PLC0415 - only the scan needs it
+
+    return frozenset(botocore.session.get_session().get_available_services()) | {"s3"}
+
+
+def services_used(roots: Iterable[Path] = NODE_CODE) -> dict[str, list[str]]:
+    """AWS services the code under ``roots`` calls -> where (``path:line``).
+
+    ``boto3.client("x")`` / ``session.client("x")`` / ``resource("x")`` in Python (also in
+    Python embedded in shell scripts), ``aws x <command>`` in shell, Python and comments alike
+    (a runbook hint names a call someone will make), and ``ecr-registry`` for an image pull
+    (enroot import, docker/podman pull). Words after ``aws`` that are not AWS services are ignored.
+    """
+    known = aws_service_names()
+    found: dict[str, list[str]] = {}
+    for root in roots:
+        for path in sorted(p for p in root.rglob("*") if p.suffix in SCANNED_SUFFIXES and p.is_file()):
+            if "__pycache__" in path.parts:
+                continue
+            for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                where = f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{number}"
+                names = set(_CLIENT.findall(line)) | {n for n in _CLI.findall(line) if n in known}
+                if _REGISTRY_PULL.search(line) and not line.lstrip().startswith("#"):
+                    names.add("ecr-registry")
+                for name in names:
+                    found.setdefault(name, []).append(where)
+    return found
+
+
+def uncovered(used: Mapping[str, list[str]], endpoints: Iterable[Endpoint]) -> dict[str, list[str]]:
+    """The services in ``used`` that neither an endpoint, the S3 gateway nor OFF_CLUSTER_USES covers."""
+    covered = {u for e in endpoints for u in e.uses} | set(GATEWAY_USES) | set(OFF_CLUSTER_USES)
+    return {name: where for name, where in used.items() if name not in covered}
+
+
+# ---- endpoint policies ---------------------------------------------------------------------------
+def endpoint_policy(endpoint: Endpoint, *, account: str, region: str, partition: str) -> dict | None:
+    """The endpoint's policy document (None: the service takes none, the default stays)."""
+    if endpoint.policy == "none":
+        return None
+    identity = {"aws:PrincipalAccount": account}
+    statements = [
+        {"Sid": "ThisAccountsIdentities" + ("ToThisAccountsResources" if endpoint.policy == "perimeter" else ""),
+         "Effect": "Allow", "Principal": "*", "Action": "*", "Resource": "*",
+         "Condition": {"StringEquals": {**identity, **({"aws:ResourceAccount": account}
+                                                       if endpoint.policy == "perimeter" else {})}}},
+        {"Sid": "AwsServicePrincipals", "Effect": "Allow", "Principal": "*", "Action": "*", "Resource": "*",
+         "Condition": {"Bool": {"aws:PrincipalIsAWSService": "true"}}},
+    ]
+    if endpoint.service == "ssm":
+        statements.append({
+            "Sid": "ThisAccountsIdentitiesToAwsOwnedDocumentsAndParameters", "Effect": "Allow", "Principal": "*",
+            "Action": list(SSM_AWS_OWNED_ACTIONS),
+            "Resource": [r.format(partition=partition, region=region) for r in SSM_AWS_OWNED],
+            "Condition": {"StringEquals": identity}})
+    return {"Version": "2012-10-17", "Statement": statements}
+
+
+def s3_gateway_policy(*, account: str, region: str, partition: str) -> dict:
+    """The S3 gateway endpoint's policy on a private cluster: this account's identities on this
+    account's buckets, AWS service principals, and reads of the AWS-owned buckets the nodes need
+    (ECR layers are fetched with presigned URLs that ECR's own identity signs, hence no principal
+    condition there, as in the data-perimeter example)."""
+    owned = [f"arn:{partition}:s3:::{b.format(region=region)}/*" for b in S3_AWS_OWNED_OBJECTS]
+    return {"Version": "2012-10-17", "Statement": [
+        {"Sid": "ThisAccountsIdentitiesToThisAccountsBuckets", "Effect": "Allow", "Principal": "*", "Action": "*",
+         "Resource": "*",
+         "Condition": {"StringEquals": {"aws:PrincipalAccount": account, "aws:ResourceAccount": account}}},
+        {"Sid": "AwsServicePrincipals", "Effect": "Allow", "Principal": "*", "Action": "*", "Resource": "*",
+         "Condition": {"Bool": {"aws:PrincipalIsAWSService": "true"}}},
+        {"Sid": "AwsOwnedPackagesAndImageLayers", "Effect": "Allow", "Principal": "*",
+         "Action": ["s3:GetObject"], "Resource": owned},
+    ]}
