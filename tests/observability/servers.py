@@ -13,8 +13,8 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tests.conftest import REPO, free_port, skip_or_fail

@@ -66,6 +66,15 @@ class MlflowTracker:
 
             raise UserError("tracking.uri: empty and MLFLOW_TRACKING_URI is not set; give the MLflow tracking "
                             "URI (http://host:5000, or the SageMaker tracking server ARN) or set tracking.backend=none")
+        import mlflow
+
+        # The sagemaker-mlflow plugin adds its routing header from the *global* tracking URI
+        # (sagemaker_mlflow/mlflow_sagemaker_request_header_provider.py: set_arn(get_tracking_uri())),
+        # so the global URI must be ours; for a URI that is not an ARN its provider fails on every
+        # request and MLflow logs that failure each time: silenced, it concerns only ARNs.
+        mlflow.set_tracking_uri(self.uri)
+        if not self.uri.startswith("arn:"):
+            logging.getLogger("mlflow.tracking.request_header.registry").setLevel(logging.ERROR)
         self.client = MlflowClient(tracking_uri=self.uri)
         self.output_dir = Path(output_dir)
         self.run_id: str | None = None
@@ -75,6 +84,12 @@ class MlflowTracker:
         self._pending: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Condition()
         self._closing = False
+        # The run is made before training starts (it shows in MLflow from step 0); a server that
+        # does not answer now is the same one warning, and the worker makes the run later.
+        try:
+            self._start_run()
+        except Exception as exc:  # noqa: BLE001 - any failure of the server or the network
+            self._failed(exc)
         self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True)
         self._thread.start()
 
@@ -135,7 +150,7 @@ class MlflowTracker:
             self.unsent_warned = True
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             log.warning("mlflow: %s does not answer (%s); training goes on, metrics stay in metrics.jsonl and "
-                        "are sent when it answers again (every %.0f s)", self.uri, first[:300], self.cfg.retry_s)
+                        "are sent when it answers again (tried every %g s)", self.uri, first[:300], self.cfg.retry_s)
 
     def _send_pending(self) -> None:
         if self.run_id is None:
