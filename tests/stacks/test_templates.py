@@ -252,6 +252,8 @@ def _render(value, refs):
         return value
     if "Ref" in value:
         return refs[value["Ref"]]
+    if "Fn::ImportValue" in value:  # another stack's output, as CloudFormation hands it over
+        return refs[value["Fn::ImportValue"]]
     sep, parts = value["Fn::Join"]
     return sep.join(_render(p, refs) for p in parts)
 
@@ -263,6 +265,10 @@ def test_platform_settings_json_follows_the_contract(default):
     # Deploy-time values (bucket names, region) are markers the deployment handler replaces.
     text = settings_file.read_text()
     refs = {"AWS::AccountId": "123456789012", "AWS::Region": "us-east-1"}
+    # The observability stack's workspace endpoint (its PrometheusEndpoint ends with a slash).
+    (export,) = [out["Export"]["Name"] for out in default.templates["Observability"]["Outputs"].values()
+                 if "Export" in out and "PrometheusEndpoint" in json.dumps(out["Value"])]
+    refs[export] = "https://aps-workspaces.us-east-1.amazonaws.com/workspaces/ws-0123/"
     for markers in scripts["Properties"]["SourceMarkers"]:
         for marker, value in markers.items():
             text = text.replace(marker, _render(value, refs))
@@ -283,6 +289,8 @@ def test_platform_settings_json_follows_the_contract(default):
         "home_root": "/fsx/home",
         "slurm_accounting": False,
         "container_runtime": True,
+        "observability": {"enabled": True, "remote_write_url":
+                          "https://aps-workspaces.us-east-1.amazonaws.com/workspaces/ws-0123/api/v1/remote_write"},
     }
 
 
