@@ -120,6 +120,15 @@ container_runtime = s.get("container_runtime")
 if not isinstance(container_runtime, bool):
     fail(f"key 'container_runtime' must be true or false, got {container_runtime!r}")
 
+# Optional (older settings files have none): the observability step's switch and the workspace
+# its collector remote-writes to (stacks/observability.py).
+observability = s.get("observability", {})
+if not isinstance(observability, dict) or not isinstance(observability.get("enabled", False), bool):
+    fail(f"key 'observability' must be {{enabled: true|false, remote_write_url: ...}}, got {observability!r}")
+remote_write = observability.get("remote_write_url", "")
+if not isinstance(remote_write, str) or (remote_write and not re.fullmatch(r"https://[^\s'\"]+", remote_write)):
+    fail(f"key 'observability.remote_write_url' must be empty or an https URL, got {remote_write!r}")
+
 values = {
     "CFG_PROJECT": get("project"),
     "CFG_CLUSTER_NAME": get("cluster_name"),
@@ -138,6 +147,8 @@ values = {
     "CFG_HOME_ROOT": home_root,
     "CFG_SLURM_ACCOUNTING": "true" if accounting else "false",
     "CFG_CONTAINER_RUNTIME": "true" if container_runtime else "false",
+    "CFG_OBSERVABILITY": "true" if observability.get("enabled", False) else "false",
+    "CFG_REMOTE_WRITE_URL": remote_write,
     # Paths as this node sees them (PLATFORM_ROOT + the cluster path).
     "FSX": root + fsx_mount,
     "ENV_GPU_DIR": root + env_gpu,
