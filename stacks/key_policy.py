@@ -73,6 +73,8 @@ class KeyPolicyProps:
     """Set with serving=true: the serving model's role (a key user), and endpoint volume grants."""
     observability: bool = False
     """observability=true: the Prometheus workspace's grants and the alerts topic's publisher."""
+    alerts_topic_arn: str = ""
+    """The alerts topic (stacks/names.py alerts_topic_arn), the encryption context SNS passes."""
     mlflow_role_arn: str | None = None
     """mlflowTrackingServer=true: the tracking server's role (a key user: its artifacts in S3)."""
 
@@ -167,12 +169,15 @@ def platform_key_policy(p: KeyPolicyProps) -> iam.PolicyDocument:
             # The alerts topic is encrypted with this key: the workspace's alert manager publishes to
             # it as aps.amazonaws.com, which needs these two actions on the topic's key
             # (https://docs.aws.amazon.com/prometheus/latest/userguide/AMP-alertmanager-receiver-AMPpermission.html),
-            # for this account's workspaces only.
+            # for this account's workspaces and the alerts topic only: SNS passes the topic's ARN as
+            # the encryption context aws:sns:topicArn
+            # (https://docs.aws.amazon.com/sns/latest/dg/sns-key-management.html).
             iam.PolicyStatement(
                 sid="PrometheusAlertsToEncryptedTopic",
                 principals=[iam.ServicePrincipal("aps.amazonaws.com")],
                 actions=["kms:GenerateDataKey*", "kms:Decrypt"], resources=["*"],
-                conditions={"StringEquals": {"aws:SourceAccount": cdk.Aws.ACCOUNT_ID},
+                conditions={"StringEquals": {"aws:SourceAccount": cdk.Aws.ACCOUNT_ID,
+                                             "kms:EncryptionContext:aws:sns:topicArn": p.alerts_topic_arn},
                             "ArnLike": {"aws:SourceArn": f"arn:{cdk.Aws.PARTITION}:aps:{cdk.Aws.REGION}:"
                                                          f"{cdk.Aws.ACCOUNT_ID}:workspace/*"}}),
         ]

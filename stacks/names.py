@@ -92,3 +92,12 @@ def mlflow_role_name(project: str) -> str:
 
 def mlflow_role_arn(project: str) -> str:
     return f"arn:{cdk.Aws.PARTITION}:iam::{cdk.Aws.ACCOUNT_ID}:role/{mlflow_role_name(project)}"
+
+
+def alerts_topic_name(project: str) -> str:
+    """The SNS topic the alert manager sends to (stacks/observability.py); the key policy names it."""
+    return f"{project}-alerts"
+
+
+def alerts_topic_arn(project: str) -> str:
+    return f"arn:{cdk.Aws.PARTITION}:sns:{cdk.Aws.REGION}:{cdk.Aws.ACCOUNT_ID}:{alerts_topic_name(project)}"

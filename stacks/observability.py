@@ -38,7 +38,7 @@ from constructs import Construct
 
 from stacks.common import acknowledge
 from stacks.config import PlatformConfig
-from stacks.names import bucket_arn, bucket_names, mlflow_role_name, mlflow_server_name
+from stacks.names import alerts_topic_name, bucket_arn, bucket_names, mlflow_role_name, mlflow_server_name
 from stacks.observability_rules import alertmanager_definition, render_rules
 from stacks.storage import StorageStack
 
@@ -61,7 +61,7 @@ class AlertsTopic(Construct):
     def __init__(self, scope: Construct, id: str, *, props: ObservabilityProps) -> None:
         super().__init__(scope, id)
         cfg = props.config
-        self.topic = sns.Topic(self, "Topic", topic_name=f"{cfg.projectName}-alerts", master_key=props.key,
+        self.topic = sns.Topic(self, "Topic", topic_name=alerts_topic_name(cfg.projectName), master_key=props.key,
                                enforce_ssl=True, display_name=f"{cfg.projectName} platform alerts")
         if cfg.alertEmail:
             self.topic.add_subscription(subscriptions.EmailSubscription(cfg.alertEmail))

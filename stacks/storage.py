@@ -22,6 +22,7 @@ from stacks.common import acknowledge, removal_policy
 from stacks.config import PlatformConfig
 from stacks.key_policy import KeyPolicyProps, platform_key_policy
 from stacks.names import (
+    alerts_topic_arn,
     bucket_arn,
     bucket_names,
     endpoint_name,
@@ -79,7 +80,7 @@ class Buckets(Construct):
                 trail_arn=trail_arn(project) if cfg.cloudTrail else None,
                 log_group_arns=tuple(log_group_arn(n) for n in platform_log_groups(cfg)),
                 serving_role_arn=serving_role_arn(project) if cfg.serving else None,
-                observability=cfg.observability,
+                observability=cfg.observability, alerts_topic_arn=alerts_topic_arn(project),
                 mlflow_role_arn=mlflow_role_arn(project) if cfg.mlflowTrackingServer else None)))
         self.data = self._bucket("Data", props, "data", names["data"])
         self.artefacts = self._bucket("Artefacts", props, "artefacts", names["artefacts"])

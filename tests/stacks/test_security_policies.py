@@ -109,7 +109,9 @@ def test_key_users_are_the_nodes_role_by_its_fixed_name_and_the_named_users(synt
     for synth, extra in ((default, []), (accounting, ["arn:aws:iam::123456789012:role/data-engineer",
                                                        "arn:aws:iam::123456789012:user/ana",
                                                        # the accounting variant also deploys serving=true
-                                                       f"arn:aws:iam::{ACCOUNT}:role/sana-serving-model-{REGION}"])):
+                                                       f"arn:aws:iam::{ACCOUNT}:role/sana-serving-model-{REGION}",
+                                                       # ... and mlflowTrackingServer=true
+                                                       f"arn:aws:iam::{ACCOUNT}:role/sana-mlflow-{REGION}"])):
         users = key_policy(synth)["KeyUsers"]
         assert render(users["Principal"]["AWS"]) == f"arn:aws:iam::{ACCOUNT}:root"
         assert render(users["Condition"]["ArnEquals"]["aws:PrincipalArn"]) == [nodes, *extra]
