@@ -163,6 +163,8 @@ def test_execution_policy_resources_are_this_platforms_arns(default):
                 assert any(f'":s3:::{n}' in text for n in ("sana-data-", "sana-artefacts-", "sagemaker-sana-lc-")), text
             elif st["Sid"] in ("UsePlatformKey", "GrantPlatformKeyToNodeVolumes"):
                 assert "Fn::ImportValue" in text and "Key" in text, text
+            elif st["Sid"] == "RemoteWriteToThePlatformWorkspace":  # the observability stack's workspace
+                assert text.startswith('{"Fn::ImportValue": "sana-observability:') and "MetricsWorkspace" in text, text
             else:
                 assert ":ec2:" in text and '"Ref": "AWS::AccountId"' in text and '"Ref": "AWS::Region"' in text, text
 

@@ -124,6 +124,9 @@ def _write_target(directory: Path, identity: RunIdentity, target: str) -> Path |
     re-reads the directory whenever it changes and must never see half a file)."""
     name = f"{identity.job_id}-{identity.node}-{target.rsplit(':', 1)[1]}.json"
     path = directory / name
+    if not directory.is_dir():  # observability=false: the platform made no such directory
+        log.info("prometheus: no discovery directory %s; no collector will scrape this run", directory)
+        return None
     tmp = directory / f".{name}.tmp"
     body = json.dumps([{"targets": [target], "labels": identity.labels()}])
     try:
