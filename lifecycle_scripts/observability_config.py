@@ -36,7 +36,17 @@ def collector(args: argparse.Namespace) -> dict:
         {"job_name": "nodes", "file_sd_configs": [{"files": [f"{fsx}/observability/nodes/*.json"]}]},
         # honor_labels: the job's own job_id/user/run_name/node labels are the ones the alerts use.
         {"job_name": "sana-training", "honor_labels": True,
-         "file_sd_configs": [{"files": [f"{fsx}/observability/targets/*.json"]}]},
+         "file_sd_configs": [{"files": [f"{fsx}/observability/targets/*.json"]}],
+         # Any cluster user writes these files: a target is scraped at /metrics over http and
+         # nothing else (discovery labels such as __metrics_path__ or __param_* would otherwise
+         # choose the request), never at a link-local address (the instance metadata service,
+         # which this root process could reach).
+         "relabel_configs": [
+             {"source_labels": ["__address__"], "regex": r"(169\.254\.|\[?fe80:).*", "action": "drop"},
+             {"target_label": "__metrics_path__", "replacement": "/metrics"},
+             {"target_label": "__scheme__", "replacement": "http"},
+             {"regex": "__param_.*", "action": "labeldrop"},
+         ]},
     ]
     if args.slurm_exporter:
         # honor_labels: the exporter's `node` (the Slurm node) must not become exported_node.
@@ -46,9 +56,7 @@ def collector(args: argparse.Namespace) -> dict:
         "global": {"scrape_interval": args.scrape_interval,
                    "external_labels": {"cluster": args.cluster}},
         "scrape_configs": scrape,
-        "remote_write": [{"url": args.remote_write, "sigv4": {"region": args.region},
-                          # AMP's guidance for agent mode: batches of 1000, up to 2500 pending per shard
-                          "queue_config": {"max_samples_per_send": 1000, "max_shards": 200, "capacity": 2500}}],
+        "remote_write": [{"url": args.remote_write, "sigv4": {"region": args.region}}],
     }
 
 

@@ -182,8 +182,12 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
                         provenance=provenance)
     metrics = MetricsLogger(cfg.output_dir, enabled=backend.is_main, tensorboard=cfg.tensorboard,
                             total_steps=cfg.max_steps, start_step=state.step, sinks=sinks)
-    validation = build_validation(cfg.validation, backend, loader=loader, model=inner, output_dir=cfg.output_dir,
-                                  metrics=metrics, flow_shift=cfg.objective.flow_shift, lora=cfg.lora)
+    try:
+        validation = build_validation(cfg.validation, backend, loader=loader, model=inner, output_dir=cfg.output_dir,
+                                      metrics=metrics, flow_shift=cfg.objective.flow_shift, lora=cfg.lora)
+    except BaseException:
+        metrics.close("FAILED")  # the exporter's port and discovery file, the MLflow run
+        raise
     if backend.is_main:
         log.info("training %s on %s from step %d to %d, global batch %d", cfg.model.preset,
                  backend.describe(), state.step, cfg.max_steps, global_batch)
