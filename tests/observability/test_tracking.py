@@ -180,3 +180,24 @@ def test_a_server_that_comes_back_receives_what_it_missed(tmp_path: Path, caplog
         assert not [r for r in caplog.records if "were not sent" in r.getMessage()]
     finally:
         server.stop()
+
+
+def test_a_failing_run_does_not_wait_for_a_server_that_does_not_answer(tmp_path: Path) -> None:
+    """The failure path ends within seconds (training/failure/): a tracker whose server never
+    answers holds the end of a FAILED run for at most FAILED_CLOSE_S."""
+    import socket
+
+    with socket.socket() as silent:  # accepts connections, never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        uri = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        cfg = TrackingConfig(backend="mlflow", uri=uri, timeout_s=3, close_timeout_s=60)
+        identity = RunIdentity(job_id="8", user="u", run_name="failing", node="n")
+        started = time.monotonic()
+        tracker = MlflowTracker(cfg, identity, run_config={}, provenance={}, output_dir=tmp_path)  # noqa: F841
+        made = time.monotonic() - started
+        tracker.log(1, {"loss": 1.0})
+        started = time.monotonic()
+        tracker.close("FAILED")
+        assert time.monotonic() - started < MlflowTracker.FAILED_CLOSE_S + 1
+    assert made < 35  # the run's creation is bounded by timeout_s too

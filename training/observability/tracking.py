@@ -111,8 +111,13 @@ class MlflowTracker:
         if path is not None:
             self._put(("artifact", (Path(path), os.path.dirname(tag) or None)))
 
+    #: seconds a failing run waits for the tracker: a failure must end the process within
+    #: seconds (training/failure/), whatever the server does
+    FAILED_CLOSE_S = 2.0
+
     def close(self, status: str = "FINISHED") -> None:
-        """End the run: metrics.jsonl as an artifact, the status; wait ``close_timeout_s`` at most."""
+        """End the run: metrics.jsonl as an artifact, the status; wait ``close_timeout_s`` at most
+        (``FAILED_CLOSE_S`` when the run failed)."""
         metrics = self.output_dir / "metrics.jsonl"
         if metrics.exists():
             self._put(("artifact", (metrics, None)))
@@ -120,7 +125,8 @@ class MlflowTracker:
         with self._wake:
             self._closing = True
             self._wake.notify()
-        self._thread.join(self.cfg.close_timeout_s)
+        self._thread.join(min(self.cfg.close_timeout_s, self.FAILED_CLOSE_S) if status == "FAILED"
+                          else self.cfg.close_timeout_s)
         with self._wake:
             left = len(self._pending)
             self._pending.clear()  # the worker, if still waiting on a request, stops after it
