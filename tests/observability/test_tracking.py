@@ -194,7 +194,7 @@ def test_a_failing_run_does_not_wait_for_a_server_that_does_not_answer(tmp_path:
         cfg = TrackingConfig(backend="mlflow", uri=uri, timeout_s=3, close_timeout_s=60)
         identity = RunIdentity(job_id="8", user="u", run_name="failing", node="n")
         started = time.monotonic()
-        tracker = MlflowTracker(cfg, identity, run_config={}, provenance={}, output_dir=tmp_path)  # noqa: F841
+        tracker = MlflowTracker(cfg, identity, run_config={}, provenance={}, output_dir=tmp_path)
         made = time.monotonic() - started
         tracker.log(1, {"loss": 1.0})
         started = time.monotonic()
