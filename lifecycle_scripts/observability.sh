@@ -87,13 +87,15 @@ release_binary() {
   log "$name $version installed ($reported)"
 }
 
-# unit NAME DESCRIPTION EXECSTART [AFTER]: write sana-NAME.service (Type=exec: a start fails when
-# the program cannot be executed), enable it and (re)start it. Returns 1 after a warn line.
+# unit NAME DESCRIPTION EXECSTART [AFTER] [EXECSTARTPRE]: write sana-NAME.service (Type=exec: a
+# start fails when the program cannot be executed), enable it and (re)start it. Returns 1 after a
+# warn line.
 unit() {
-  local name=$1 description=$2 exec_start=$3 after=${4:-network-online.target} path out
+  local name=$1 description=$2 exec_start=$3 after=${4:-network-online.target} pre=${5:-} path out
   path=$UNITS/sana-$name.service
   printf '%s\n' "[Unit]" "Description=$description (Sana platform observability)" \
-    "Wants=network-online.target" "After=$after" "" "[Service]" "Type=exec" "ExecStart=$exec_start" \
+    "Wants=network-online.target" "After=$after" "" "[Service]" "Type=exec" \
+    ${pre:+"ExecStartPre=$pre"} "ExecStart=$exec_start" \
     "Restart=always" "RestartSec=10" "" "[Install]" "WantedBy=multi-user.target" | write_atomically "$path" 0644 \
     || { warn "$description: cannot write $path"; return 1; }
   if ! out=$(systemctl daemon-reload 2>&1 && systemctl enable "sana-$name.service" 2>&1 \
@@ -142,7 +144,7 @@ dcgm_exporter() {
   mkdir -p "${PLATFORM_ROOT}/run/slurm/dcgm-job-mapping"
   unit dcgm-exporter "DCGM exporter" \
     "/usr/bin/docker run --rm --name sana-dcgm-exporter --gpus all --cap-add SYS_ADMIN -p $NODE_IP:$DCGM_EXPORTER_PORT:9400 -v /run/slurm/dcgm-job-mapping:/run/slurm/dcgm-job-mapping:ro $DCGM_EXPORTER_IMAGE dcgm-exporter --hpc-job-mapping-dir /run/slurm/dcgm-job-mapping" \
-    docker.service
+    docker.service "-/usr/bin/docker rm -f sana-dcgm-exporter"
 }
 
 neuron_exporter() {

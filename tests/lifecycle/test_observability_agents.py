@@ -89,6 +89,10 @@ def test_a_gpu_node_runs_the_node_and_dcgm_exporters_and_registers_them(tmp_path
     dcgm = exec_start(root, "sana-dcgm-exporter.service")
     assert "-p 10.1.1.1:9400:9400" in dcgm and dcgm.endswith(f"{DCGM_IMAGE} dcgm-exporter --hpc-job-mapping-dir "
                                                              "/run/slurm/dcgm-job-mapping")
+    # A container left by a crash would block the name: removed first ("-": its absence is no error).
+    assert "ExecStartPre=-/usr/bin/docker rm -f sana-dcgm-exporter" in \
+        (root / "etc/systemd/system/sana-dcgm-exporter.service").read_text()
+    assert "ExecStartPre" not in (root / "etc/systemd/system/sana-node-exporter.service").read_text()
     for unit in ("sana-node-exporter", "sana-dcgm-exporter"):
         assert (root / node_model.MARKERS / f"{unit}.active").exists()
     assert (root / "etc/systemd/system/timers.target.wants/sana-node-counters.timer").is_symlink()
