@@ -178,6 +178,14 @@ def test_a_server_that_comes_back_receives_what_it_missed(tmp_path: Path, caplog
         assert run.info.status == "FINISHED"
         assert len([r for r in caplog.records if "does not answer" in r.getMessage()]) == 1
         assert not [r for r in caplog.records if "were not sent" in r.getMessage()]
+        # A resumed run (same output_dir, same URI) continues the same MLflow run.
+        resumed = MlflowTracker(cfg, identity, run_config={"max_steps": 4}, provenance={}, output_dir=tmp_path)
+        assert resumed.run_id == run.info.run_id
+        resumed.log(4, {"loss": 0.125})
+        resumed.close("FINISHED")
+        history = client.get_metric_history(run.info.run_id, "loss")
+        assert [m.step for m in history] == [1, 2, 3, 4]
+        assert len(client.search_runs([run.info.experiment_id])) == 1
     finally:
         server.stop()
 
