@@ -8,10 +8,11 @@ VENV     := .venv
 PY       := $(VENV)/bin/python
 XLA_VENV := .venv-xla
 XLA_PY   := $(XLA_VENV)/bin/python
+MLFLOW_VENV := .venv-mlflow
 STAMPS   := .stamps
 CDK      := npx --no-install cdk
 
-.PHONY: help setup setup-xla synth audit demo test test-platform test-xla lint clean image push-image serve-smoke wheelhouse
+.PHONY: help setup setup-xla setup-mlflow synth audit demo test test-platform test-xla lint clean image push-image serve-smoke wheelhouse
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -44,6 +45,17 @@ $(STAMPS)/venv-xla: training/requirements-xla-test.txt training/requirements-neu
 	$(XLA_PY) -m pip install --quiet -r training/requirements-xla-test.txt
 	@touch $@
 
+# The MLflow tracking server the observability tests run on loopback (tests/observability): its
+# own venv, so .venv keeps only the client the training package uses (mlflow-skinny).
+setup-mlflow: $(STAMPS)/venv-mlflow ## build .venv-mlflow (the MLflow server, PyPI's mlflow) for the tracking tests
+
+$(STAMPS)/venv-mlflow: requirements-mlflow-server.txt
+	@mkdir -p $(STAMPS)
+	@test -x $(MLFLOW_VENV)/bin/python || python3 -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MLFLOW_VENV)/bin/python -m pip install --quiet -r requirements-mlflow-server.txt
+	@touch $@
+
 synth: setup ## cdk synth through the real CLI into cdk.out/ (offline, no credentials)
 	$(CDK) synth --quiet --output cdk.out
 
@@ -62,8 +74,9 @@ demo: audit setup-xla ## the main job locally: audit, then precompute + train + 
 
 test: test-platform test-xla ## the whole test suite (what CI runs)
 
-# setup-xla too: tests/slurm submits train-trainium.sbatch, which runs in .venv-xla.
-test-platform: setup setup-xla
+# setup-xla too: tests/slurm submits train-trainium.sbatch, which runs in .venv-xla;
+# setup-mlflow: tests/observability runs an MLflow server.
+test-platform: setup setup-xla setup-mlflow
 	$(PY) -m pytest tests --ignore=tests/xla
 
 test-xla: setup setup-xla

@@ -47,6 +47,7 @@
 #   gpu, trn    ... -> containers -> ssh (SSH only for users with a job on the node) -> ready
 #   controller  ... -> containers (register pyxis for the configless nodes) -> ready
 #   (containers: enroot + pyxis installed where missing and configured; optional: WARN, never FAILED)
+#   all roles   ... -> containers -> observability (exporters; the controller's collector; optional: WARN)
 #   later, after slurmd/slurmctld started: sana-node-ready.service (slurm_ready.sh) -> READY
 #
 # Every line goes to stdout (HyperPod ships it to CloudWatch) and to
@@ -69,6 +70,9 @@
 #   LIFECYCLE_PYXIS_PREFIX          where pyxis is installed and registered from (default /usr/local)
 #   LIFECYCLE_PYXIS_WAIT_S          how long the late check waits for the controller's pyxis line (default 300)
 #   LIFECYCLE_FAILURE_LOG_WAIT_S    seconds to wait after a failure so the log reaches CloudWatch (default 60)
+#   LIFECYCLE_NODE_EXPORTER_URL     where the node exporter release is downloaded from (default: its GitHub release)
+#   LIFECYCLE_PROMETHEUS_URL        the same for Prometheus (the controller's collector)
+#   LIFECYCLE_SLURM_EXPORTER_URL    the same for the Slurm exporter (controller)
 
 # Started as `sh on_init_complete.sh`? Re-run under bash before anything bash-only.
 if [ -z "${BASH_VERSION:-}" ]; then exec bash "$0" "$@"; fi
@@ -177,6 +181,8 @@ main() {
   # Container jobs (srun --container-image) start on workers and are submitted from the login
   # node; the controller registers pyxis for them (configless nodes get plugstack.conf from it).
   run_optional_step containers container_runtime.sh
+  # Metrics: exporters on every node, the collector on the controller (optional: WARN lines).
+  run_optional_step observability observability.sh
   # Compute nodes: SSH only for users with a job there (pam_slurm_adopt).
   case $NODE_ROLE in
     gpu | trn) run_step ssh ssh_access.sh ;;

@@ -146,6 +146,15 @@ unknown = set(wheelhouses) - {"gpu", "neuron"}
 if unknown:
     fail(f"wheelhouses has unknown env kinds {sorted(unknown)}; the node envs are gpu and neuron")
 
+# Optional (older settings files have none): the observability step's switch and the workspace
+# its collector remote-writes to (stacks/observability.py).
+observability = s.get("observability", {})
+if not isinstance(observability, dict) or not isinstance(observability.get("enabled", False), bool):
+    fail(f"key 'observability' must be {{enabled: true|false, remote_write_url: ...}}, got {observability!r}")
+remote_write = observability.get("remote_write_url", "")
+if not isinstance(remote_write, str) or (remote_write and not re.fullmatch(r"https://[^\s'\"]+", remote_write)):
+    fail(f"key 'observability.remote_write_url' must be empty or an https URL, got {remote_write!r}")
+
 values = {
     "CFG_PROJECT": get("project"),
     "CFG_CLUSTER_NAME": get("cluster_name"),
@@ -166,6 +175,8 @@ values = {
     "CFG_CONTAINER_RUNTIME": "true" if container_runtime else "false",
     "CFG_PRIVATE_NETWORK": "true" if private_network else "false",
     "CFG_IMAGE_REGISTRY": image_registry,
+    "CFG_OBSERVABILITY": "true" if observability.get("enabled", False) else "false",
+    "CFG_REMOTE_WRITE_URL": remote_write,
     # Paths as this node sees them (PLATFORM_ROOT + the cluster path).
     "FSX": root + fsx_mount,
     "ENV_GPU_DIR": root + env_gpu,

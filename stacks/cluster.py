@@ -31,7 +31,7 @@ from stacks.cluster_logs import ClusterLogGroup
 from stacks.common import acknowledge, ignore_cfn_lint, removal_policy
 from stacks.config import FSX_MOUNT, PlatformConfig
 from stacks.images import ImageRepositories
-from stacks.names import execution_role_name
+from stacks.names import execution_role_name, mlflow_server_arn
 from stacks.network import Network
 from stacks.storage import StorageStack, bucket_names
 from stacks.wheelhouse import ROOT as WHEELHOUSE_ROOT
@@ -72,6 +72,9 @@ class ClusterProps:
     network: Network
     storage: StorageStack
     accounting: AccountingDatabase | None = None
+    #: observability=true: the Prometheus workspace the controller's collector writes to
+    metrics_workspace_arn: str | None = None
+    remote_write_url: str = ""
     lifecycle_dir: Path = LIFECYCLE_DIR
     training_dir: Path = TRAINING_DIR
     wheelhouse_root: Path = WHEELHOUSE_ROOT
@@ -181,6 +184,23 @@ class ExecutionRole(Construct):
                          "ec2:DescribeSubnets", "ec2:DescribeSecurityGroups"],
                 resources=["*"]),
         ])
+        if props.metrics_workspace_arn is not None:
+            # The controller's collector remote-writes as this role (SigV4): aps:RemoteWrite on this
+            # one workspace, not the AWS managed AmazonPrometheusRemoteWriteAccess (aps:RemoteWrite on
+            # every workspace) that AWS's observability sample attaches (awslabs/awsome-distributed-ai,
+            # 1.architectures/5.sagemaker-hyperpod/Extensions/observability/README.md, "Add required
+            # permissions"). No ECR pull either: the exporters are release binaries, not HyperPod's
+            # images (lifecycle_scripts/observability.sh).
+            self.policy.add_statements(iam.PolicyStatement(
+                sid="RemoteWriteToThePlatformWorkspace", actions=["aps:RemoteWrite"],
+                resources=[props.metrics_workspace_arn]))
+        if props.config.mlflowTrackingServer:
+            # Training jobs log runs to the platform's tracking server through the sagemaker-mlflow
+            # plugin (SigV4 as this role; docs.aws.amazon.com/sagemaker/latest/dg/mlflow-track-experiments.html);
+            # the artifacts go to the artefacts bucket, granted above.
+            self.policy.add_statements(iam.PolicyStatement(
+                sid="TrackRunsOnThePlatformMlflow", actions=["sagemaker-mlflow:*"],
+                resources=[mlflow_server_arn(props.config.projectName)]))
         if props.accounting is not None:
             # slurmdbd's own database login (ClusterAccountingDatabase.SecretArn), a user with
             # rights on the accounting schema only; the admin login stays with RDS
@@ -214,6 +234,7 @@ class ExecutionRole(Construct):
                     "HyperPod requires this AWS managed policy on the cluster execution role (node agent, "
                     "CloudWatch logs/metrics under /aws/sagemaker/Clusters, lifecycle buckets named "
                     "sagemaker-*); AWS maintains it as the service evolves.")
+        self.policy_has_mlflow = props.config.mlflowTrackingServer
         self._acknowledge_wildcards(props.config.projectName, private=props.config.privateNetwork)
 
     def _acknowledge_wildcards(self, project: str, *, private: bool) -> None:
@@ -233,6 +254,10 @@ class ExecutionRole(Construct):
             reasons[f"Resource::{nag_bucket_arn(project, 'lifecycle', nag_partition(self))}/wheelhouse/*"] = (
                 "Read-only, the wheelhouses the cluster stack uploads under wheelhouse/<kind>-<key>/ of the "
                 "platform's lifecycle bucket (keys named by content hashes not known to the role).")
+        if self.policy_has_mlflow:
+            reasons["Action::sagemaker-mlflow:*"] = (
+                "The MLflow REST API of exactly one tracking server (the platform's, by ARN); its action "
+                "list follows MLflow's API (log runs, metrics, params, artifacts, search).")
         for finding, reason in reasons.items():
             acknowledge(self.policy, f"AwsSolutions::AwsSolutions-IAM5[{finding}]", reason)
 
@@ -261,7 +286,8 @@ class LifecycleUpload(Construct):
             artefacts_bucket=buckets.artefacts.bucket_name, lifecycle_bucket=buckets.lifecycle.bucket_name,
             package_hash=self.package_hash,
             image_registry=f"{cdk.Aws.ACCOUNT_ID}.dkr.ecr.{cdk.Aws.REGION}.{cdk.Aws.URL_SUFFIX}",
-            wheelhouses={kind: w.settings() for kind, w in wheelhouses.items()})
+            wheelhouses={kind: w.settings() for kind, w in wheelhouses.items()},
+            remote_write_url=props.remote_write_url)
         common = dict(destination_bucket=buckets.lifecycle, prune=False, retain_on_delete=True,
                       memory_limit=512)
         self.scripts = s3deploy.BucketDeployment(
@@ -405,11 +431,13 @@ class ClusterStack(cdk.Stack):
     """The expensive part; `cdk destroy <project>-cluster` removes it and keeps data and network."""
 
     def __init__(self, scope: Construct, id: str, *, config: PlatformConfig, network: Network,
-                 storage: StorageStack, wheelhouse_root: Path = WHEELHOUSE_ROOT, **kwargs) -> None:
+                 storage: StorageStack, wheelhouse_root: Path = WHEELHOUSE_ROOT,
+                 metrics_workspace_arn: str | None = None, remote_write_url: str = "", **kwargs) -> None:
         super().__init__(scope, id, **kwargs)
-        self.cluster = Cluster(self, "Cluster", props=ClusterProps(config=config, network=network, storage=storage,
-                                                                    accounting=storage.accounting,
-                                                                    wheelhouse_root=wheelhouse_root))
+        self.cluster = Cluster(self, "Cluster", props=ClusterProps(
+            config=config, network=network, storage=storage, accounting=storage.accounting,
+            wheelhouse_root=wheelhouse_root, metrics_workspace_arn=metrics_workspace_arn,
+            remote_write_url=remote_write_url))
         self._acknowledge_deployment_handler(config)
         buckets, upload = self.cluster.buckets, self.cluster.upload
         # The log group HyperPod writes the nodes' logs to: retention and the platform key.

@@ -94,6 +94,7 @@ HOME_ROOT = "/fsx/home"
 # CloudWatch Logs PutRetentionPolicy retentionInDays values (CloudWatch Logs API Reference).
 LOG_RETENTION_DAYS: tuple[int, ...] = (1, 3, 5, 7, 14, 30, 60, 90, 120, 150, 180, 365, 400, 545, 731, 1096, 1827,
                                        2192, 2557, 2922, 3288, 3653)
+EMAIL_RE = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 # A named IAM principal for the key policy (a key policy names principals that exist: roles, users).
 IAM_PRINCIPAL_ARN_RE = re.compile(r"^arn:aws(-[a-z]+)*:iam::\d{12}:(role|user)/[\w+=,.@/-]{1,512}$")
 
@@ -260,6 +261,17 @@ class PlatformConfig:
     """enroot + pyxis on gpu, trn and login nodes (installed at boot where the AMI lacks them); false = none."""
     privateNetwork: bool = False
     """No internet egress: no NAT/internet gateway, interface endpoints for the AWS APIs, envs from the wheelhouse."""
+    # ---- the <project>-observability stack (stacks/observability.py, runbooks/observability.md) ----
+    observability: bool = True
+    """Amazon Managed Prometheus workspace, alert rules, SNS alerts, node exporters and the collector."""
+    stallMinutes: int = 30
+    """Minutes without a new training step before the TrainingJobStalled alert fires."""
+    alertEmail: str = ""
+    """An email address subscribed to the alerts topic; empty = subscribe later (runbooks/observability.md)."""
+    grafana: bool = False
+    """An Amazon Managed Grafana workspace reading the Prometheus workspace (needs IAM Identity Center)."""
+    mlflowTrackingServer: bool = False
+    """A SageMaker managed MLflow tracking server, artifacts in the artefacts bucket under mlflow/."""
 
     def __post_init__(self) -> None:
         if not PROJECT_NAME_RE.match(self.projectName):
@@ -323,12 +335,22 @@ class PlatformConfig:
                               "the serving endpoint installs code/requirements.txt from PyPI when it starts, "
                               "which a subnet without internet egress cannot reach: set serving=false or "
                               "privateNetwork=false (runbooks/private-network.md)")
+        self._check_observability()
         if self.slurmAccounting and not self.continuousProvisioning:
             # AWS::SageMaker::Cluster schema, ClusterAccountingDatabase: "Supported only with
             # Continuous node provisioning."
             raise ConfigError("slurmAccounting", True,
                               "an external accounting database is supported only with Continuous node "
                               "provisioning: set continuousProvisioning=true or slurmAccounting=false")
+
+    def _check_observability(self) -> None:
+        _count("stallMinutes", self.stallMinutes, 5, 1440)
+        if self.alertEmail and not EMAIL_RE.match(self.alertEmail):
+            raise ConfigError("alertEmail", self.alertEmail, "allowed: empty or one email address, e.g. oncall@example.com")
+        for key in ("grafana", "mlflowTrackingServer", "alertEmail"):
+            if getattr(self, key) and not self.observability:
+                raise ConfigError(key, getattr(self, key), "it is part of the observability stack: set "
+                                                           "observability=true, or leave it off")
 
     def _check_users(self) -> None:
         users = parse_users(self.clusterUsers)
@@ -420,11 +442,13 @@ class PlatformConfig:
 
     def settings(self, *, region: str, data_bucket: str, artefacts_bucket: str, lifecycle_bucket: str,
                  package_hash: str, image_registry: str = "",
-                 wheelhouses: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Any]:
+                 wheelhouses: Mapping[str, Mapping[str, str]] | None = None,
+                 remote_write_url: str = "") -> dict[str, Any]:
         """platform-settings.json, uploaded next to the lifecycle scripts; lifecycle_scripts/settings.sh reads it.
 
         ``image_registry``: this account's ECR registry, the only one a private cluster pulls from;
-        ``wheelhouses``: env kind -> {prefix, lock_sha256, python} (stacks/wheelhouse.py), private only.
+        ``wheelhouses``: env kind -> {prefix, lock_sha256, python} (stacks/wheelhouse.py), private only;
+        ``remote_write_url``: the Prometheus workspace the controller's collector writes to (observability).
         """
         return {
             "project": self.projectName,
@@ -447,6 +471,7 @@ class PlatformConfig:
             "private_network": self.privateNetwork,
             "image_registry": image_registry,
             "wheelhouses": {kind: dict(w) for kind, w in (wheelhouses or {}).items()},
+            "observability": {"enabled": self.observability, "remote_write_url": remote_write_url},
         }
 
     @classmethod

@@ -12,7 +12,7 @@ sources, each entry naming its own:
   1.architectures/5.sagemaker-hyperpod/1.AmazonSageMakerClustersExecutionRolePolicy.json) and the
   SSM agent (Session Manager, which HyperPod's node access uses);
 - the configuration: Secrets Manager with ``slurmAccounting`` (the controller reads slurmdbd's
-  secret), Amazon Managed Service for Prometheus when an ``observability`` key is on.
+  secret), Amazon Managed Service for Prometheus with ``observability`` (stacks/observability.py).
 
 Endpoint policies. VPC endpoint policies bound what may pass through the endpoint (they grant
 nothing; IAM still decides). Where a service accepts them they admit only this account's
@@ -165,13 +165,9 @@ SSM_AWS_OWNED_ACTIONS = ("ssm:Describe*", "ssm:List*", "ssm:Get*", "ssm:SendComm
 
 
 def required_endpoints(config: Any) -> tuple[Endpoint, ...]:
-    """The interface endpoints a private cluster with this configuration needs.
-
-    ``observability`` is read with getattr: the key belongs to the observability stacks, and a
-    configuration without it has no metrics agent to reach Amazon Managed Prometheus.
-    """
-    on = {"always": True, "slurmAccounting": bool(getattr(config, "slurmAccounting", False)),
-          "observability": bool(getattr(config, "observability", False))}
+    """The interface endpoints a private cluster with this configuration needs."""
+    on = {"always": True, "slurmAccounting": bool(config.slurmAccounting),
+          "observability": bool(config.observability)}
     return tuple(e for e in INTERFACE_ENDPOINTS if on[e.when])
 
 

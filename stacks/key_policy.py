@@ -71,6 +71,12 @@ class KeyPolicyProps:
     """ARN patterns (arn:...:log-group:NAME) of the log groups encrypted with the key."""
     serving_role_arn: str | None = None
     """Set with serving=true: the serving model's role (a key user), and endpoint volume grants."""
+    observability: bool = False
+    """observability=true: the Prometheus workspace's grants and the alerts topic's publisher."""
+    alerts_topic_arn: str = ""
+    """The alerts topic (stacks/names.py alerts_topic_arn), the encryption context SNS passes."""
+    mlflow_role_arn: str | None = None
+    """mlflowTrackingServer=true: the tracking server's role (a key user: its artifacts in S3)."""
 
 
 def _account() -> str:
@@ -94,7 +100,8 @@ def platform_key_policy(p: KeyPolicyProps) -> iam.PolicyDocument:
             sid="KeyUsers",
             principals=[account], actions=USE_ACTIONS, resources=["*"],
             conditions={"ArnEquals": {"aws:PrincipalArn": [
-                p.execution_role_arn, *p.users, *([p.serving_role_arn] if p.serving_role_arn else [])]}}),
+                p.execution_role_arn, *p.users,
+                *(arn for arn in (p.serving_role_arn, p.mlflow_role_arn) if arn)]}}),
         # HyperPod node volumes (smcluster-cmk.html "Permissions"): the execution role creates
         # grants for the volumes through SageMaker (stacks/cluster.py ExecutionRole does the same).
         iam.PolicyStatement(
@@ -149,6 +156,31 @@ def platform_key_policy(p: KeyPolicyProps) -> iam.PolicyDocument:
             principals=[account], actions=["kms:CreateGrant", "kms:DescribeKey"], resources=["*"],
             conditions={"StringEquals": {**in_account, "kms:ViaService": _via("sagemaker")},
                         "Bool": {"kms:GrantIsForAWSResource": "true"}}))
+    if p.observability:
+        statements += [
+            # A workspace on a customer managed key: Amazon Managed Service for Prometheus uses the
+            # key through grants it creates as the principal that creates the workspace, through APS
+            # only (https://docs.aws.amazon.com/prometheus/latest/userguide/encryption-at-rest-Amazon-Service-Prometheus.html).
+            iam.PolicyStatement(
+                sid="PrometheusWorkspaceGrants",
+                principals=[account], actions=["kms:CreateGrant", "kms:DescribeKey", "kms:Decrypt",
+                                               "kms:GenerateDataKey"], resources=["*"],
+                conditions={"StringEquals": {**in_account, "kms:ViaService": _via("aps")}}),
+            # The alerts topic is encrypted with this key: the workspace's alert manager publishes to
+            # it as aps.amazonaws.com, which needs these two actions on the topic's key
+            # (https://docs.aws.amazon.com/prometheus/latest/userguide/AMP-alertmanager-receiver-AMPpermission.html),
+            # for this account's workspaces and the alerts topic only: SNS passes the topic's ARN as
+            # the encryption context aws:sns:topicArn
+            # (https://docs.aws.amazon.com/sns/latest/dg/sns-key-management.html).
+            iam.PolicyStatement(
+                sid="PrometheusAlertsToEncryptedTopic",
+                principals=[iam.ServicePrincipal("aps.amazonaws.com")],
+                actions=["kms:GenerateDataKey*", "kms:Decrypt"], resources=["*"],
+                conditions={"StringEquals": {"aws:SourceAccount": cdk.Aws.ACCOUNT_ID,
+                                             "kms:EncryptionContext:aws:sns:topicArn": p.alerts_topic_arn},
+                            "ArnLike": {"aws:SourceArn": f"arn:{cdk.Aws.PARTITION}:aps:{cdk.Aws.REGION}:"
+                                                         f"{cdk.Aws.ACCOUNT_ID}:workspace/*"}}),
+        ]
     if p.log_group_arns:
         statements.append(iam.PolicyStatement(
             sid="CloudWatchLogsForPlatformLogGroups",

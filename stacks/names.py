@@ -67,3 +67,37 @@ def trail_arn(project: str) -> str:
 
 def log_group_arn(name_pattern: str) -> str:
     return f"arn:{cdk.Aws.PARTITION}:logs:{cdk.Aws.REGION}:{cdk.Aws.ACCOUNT_ID}:log-group:{name_pattern}"
+
+
+def observability_stack_name(project: str) -> str:
+    return f"{project}-observability"
+
+
+def mlflow_server_name(project: str) -> str:
+    """The SageMaker MLflow tracking server (stacks/observability.py): the nodes' role names its
+    ARN (stacks/cluster.py) without a reference to the observability stack."""
+    return f"{project}-mlflow"
+
+
+def mlflow_server_arn(project: str) -> str:
+    return (f"arn:{cdk.Aws.PARTITION}:sagemaker:{cdk.Aws.REGION}:{cdk.Aws.ACCOUNT_ID}:"
+            f"mlflow-tracking-server/{mlflow_server_name(project)}")
+
+
+def mlflow_role_name(project: str) -> str:
+    """The tracking server's role: the key policy names it (a key user) before the observability
+    stack creates it. Per region: IAM names are global."""
+    return f"{project}-mlflow-{cdk.Aws.REGION}"
+
+
+def mlflow_role_arn(project: str) -> str:
+    return f"arn:{cdk.Aws.PARTITION}:iam::{cdk.Aws.ACCOUNT_ID}:role/{mlflow_role_name(project)}"
+
+
+def alerts_topic_name(project: str) -> str:
+    """The SNS topic the alert manager sends to (stacks/observability.py); the key policy names it."""
+    return f"{project}-alerts"
+
+
+def alerts_topic_arn(project: str) -> str:
+    return f"arn:{cdk.Aws.PARTITION}:sns:{cdk.Aws.REGION}:{cdk.Aws.ACCOUNT_ID}:{alerts_topic_name(project)}"

@@ -17,6 +17,7 @@ from cdk_nag import AwsSolutionsChecks, HIPAASecurityChecks
 from stacks.cluster import ClusterStack
 from stacks.config import ConfigError, PlatformConfig, check_known_keys
 from stacks.network import NetworkStack
+from stacks.observability import ObservabilityStack
 from stacks.serving import ServingStack
 from stacks.storage import StorageStack
 
@@ -38,6 +39,7 @@ class Platform:
     storage: StorageStack
     cluster: ClusterStack
     serving: ServingStack | None = None
+    observability: ObservabilityStack | None = None
 
 
 def build_app(context: Mapping[str, Any] | None = None, *, outdir: str | None = None,
@@ -69,9 +71,18 @@ def build_app(context: Mapping[str, Any] | None = None, *, outdir: str | None = 
     storage = StorageStack(app, f"{p}-storage", stack_name=f"{p}-storage", env=env, config=config,
                            network=network.network,
                            description=f"{p}: KMS key, data/artefacts/lifecycle buckets, FSx for Lustre")
+    observability = None
+    if config.observability:  # metrics, alerts, dashboards, MLflow (runbooks/observability.md)
+        observability = ObservabilityStack(app, f"{p}-observability", stack_name=f"{p}-observability", env=env,
+                                           config=config, storage=storage,
+                                           description=f"{p}: Managed Prometheus workspace, alert rules, SNS alerts, "
+                                                       "optional Grafana and MLflow")
+    metrics = observability.metrics if observability is not None else None
     cluster = ClusterStack(app, f"{p}-cluster", stack_name=f"{p}-cluster", env=env, config=config,
                            network=network.network, storage=storage,
                            **({"wheelhouse_root": wheelhouse_root} if wheelhouse_root is not None else {}),
+                           metrics_workspace_arn=metrics.workspace.attr_arn if metrics else None,
+                           remote_write_url=metrics.remote_write_url if metrics else "",
                            description=f"{p}: HyperPod Slurm cluster, execution role, lifecycle scripts")
     # The cluster names storage's buckets by their deterministic names; keep the order explicit.
     cluster.add_stack_dependency(storage)
@@ -83,4 +94,5 @@ def build_app(context: Mapping[str, Any] | None = None, *, outdir: str | None = 
     cdk.Tags.of(app).add("project", p)
     cdk.Tags.of(app).add("managed-by", "cdk")
     cdk.Validations.of(app).add_plugins(AwsSolutionsChecks(app), HIPAASecurityChecks(app))
-    return Platform(app=app, config=config, network=network, storage=storage, cluster=cluster, serving=serving)
+    return Platform(app=app, config=config, network=network, storage=storage, cluster=cluster, serving=serving,
+                    observability=observability)

@@ -22,11 +22,13 @@ from stacks.common import acknowledge, removal_policy
 from stacks.config import PlatformConfig
 from stacks.key_policy import KeyPolicyProps, platform_key_policy
 from stacks.names import (
+    alerts_topic_arn,
     bucket_arn,
     bucket_names,
     endpoint_name,
     execution_role_arn,
     log_group_arn,
+    mlflow_role_arn,
     serving_role_arn,
     trail_arn,
 )
@@ -77,7 +79,9 @@ class Buckets(Construct):
                 administrators=cfg.keyAdministrators, users=cfg.keyUsers,
                 trail_arn=trail_arn(project) if cfg.cloudTrail else None,
                 log_group_arns=tuple(log_group_arn(n) for n in platform_log_groups(cfg)),
-                serving_role_arn=serving_role_arn(project) if cfg.serving else None)))
+                serving_role_arn=serving_role_arn(project) if cfg.serving else None,
+                observability=cfg.observability, alerts_topic_arn=alerts_topic_arn(project),
+                mlflow_role_arn=mlflow_role_arn(project) if cfg.mlflowTrackingServer else None)))
         self.data = self._bucket("Data", props, "data", names["data"])
         self.artefacts = self._bucket("Artefacts", props, "artefacts", names["artefacts"])
         self.lifecycle = self._bucket("Lifecycle", props, "lifecycle", names["lifecycle"])

@@ -28,6 +28,7 @@ from training.errors import UserError
 from training.lora import LoraConfig
 from training.model import ModelConfig
 from training.objective import ObjectiveConfig
+from training.observability.config import PrometheusConfig, TrackingConfig
 from training.optim import OptimConfig
 from training.text_trim import TextTrimConfig
 from training.validation import ValidationConfig
@@ -49,6 +50,10 @@ class TrainConfig:
     trainium: NeuronConfig = dataclasses.field(default_factory=NeuronConfig)
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     text_trim: TextTrimConfig = dataclasses.field(default_factory=TextTrimConfig)
+    #: rank 0's metrics served for the cluster's Prometheus collector (training/observability)
+    prometheus: PrometheusConfig = dataclasses.field(default_factory=PrometheusConfig)
+    #: experiment tracking: backend none | mlflow (training/observability/tracking.py)
+    tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
     #: "fp32" | "bf16-mixed" (fp32 master weights, bf16 compute) | "bf16" (pure bf16)
     precision: str = "bf16-mixed"
     #: optimizer steps to train to (a resumed run continues up to this count)

@@ -31,6 +31,7 @@ from training.input_pipeline import LoaderPosition
 from training.metrics import MetricsLogger
 from training.model import ModelConfig, build_model
 from training.objective import RectifiedFlow
+from training.observability import build_sinks
 from training.optim import OptimConfig, build_scheduler, optimizer_factory
 from training.preemption import StopRequest
 from training.provenance import run_provenance
@@ -167,27 +168,36 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
     objective = RectifiedFlow(cfg.objective, vae_scaling_factor=loader.index.vae_scaling_factor,
                               null_text=null_text.to(backend.device), null_mask=null_mask.to(backend.device),
                               rank=backend.rank, world_size=backend.world_size)
+    provenance = run_provenance(text_conditioning=loader.index.text_conditioning.to_dict())
     ckpt = Checkpointer(cfg.checkpoint, backend, output_dir=cfg.output_dir, run_config=cfg.to_dict(),
-                        provenance=run_provenance(text_conditioning=loader.index.text_conditioning.to_dict()),
-                        frozen_from=cfg.model.pretrained)
+                        provenance=provenance, frozen_from=cfg.model.pretrained)
     state = TrainState()
     last_ckpt = ckpt.restore(model=model, optimizer=optimizer, scheduler=scheduler, ema=ema, loader=loader,
                              state=state)
     global_batch = cfg.data.batch_size * backend.world_size * cfg.optim.grad_accum_steps
     count_tokens, rates_of = _throughput_fn(cfg, backend, inner)
+    # Prometheus gauges and the MLflow run (training/observability): rank 0 only, empty when off.
+    sinks = build_sinks(prometheus=cfg.prometheus, tracking=cfg.tracking, output_dir=cfg.output_dir,
+                        is_main=backend.is_main, start_step=state.step, run_config=cfg.to_dict(),
+                        provenance=provenance)
     metrics = MetricsLogger(cfg.output_dir, enabled=backend.is_main, tensorboard=cfg.tensorboard,
-                            total_steps=cfg.max_steps, start_step=state.step)
-    validation = build_validation(cfg.validation, backend, loader=loader, model=inner, output_dir=cfg.output_dir,
-                                  metrics=metrics, flow_shift=cfg.objective.flow_shift, lora=cfg.lora)
+                            total_steps=cfg.max_steps, start_step=state.step, sinks=sinks)
+    try:
+        validation = build_validation(cfg.validation, backend, loader=loader, model=inner, output_dir=cfg.output_dir,
+                                      metrics=metrics, flow_shift=cfg.objective.flow_shift, lora=cfg.lora)
+    except BaseException:
+        metrics.close("FAILED")  # the exporter's port and discovery file, the MLflow run
+        raise
     if backend.is_main:
         log.info("training %s on %s from step %d to %d, global batch %d", cfg.model.preset,
                  backend.describe(), state.step, cfg.max_steps, global_batch)
     step_times: list[float] = []
     final_loss: list[float] = []
     window_start, window_steps = time.perf_counter(), 0
+    checkpoint_wait = 0.0  # seconds the loop waited on checkpoint saves in this logging window
 
     def report(step: int, seconds: float, steps: int, lr: float, samples_seen: int, window: StepTokens,
-               loss: float, grad_norm: float) -> None:
+               checkpoint_stall: float, loss: float, grad_norm: float) -> None:
         sps = global_batch * steps / seconds
         final_loss[:] = [loss]
         peak = backend.peak_memory_bytes()
@@ -195,6 +205,7 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
         metrics.log(step, {"loss": loss, "grad_norm": grad_norm, "lr": lr, "samples_per_s": sps,
                            "tokens_per_s": sps * rates.pop("tokens_per_sample"), **rates,
                            "step_time_s": seconds / steps, "samples_seen": samples_seen,
+                           "checkpoint_stall_s": checkpoint_stall,
                            "peak_mem_gib": None if peak is None else peak / 2**30})
 
     # Caption padding cut per batch on the host, before the device copy (training/text_trim.py).
@@ -208,6 +219,7 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
     step_tokens: list[StepTokens] = []
     stopped_by = None
     stop = StopRequest(backend)
+    ended = "FAILED"  # how the run ended, for the MLflow run (FINISHED / KILLED below)
     # The stop-signal handler stays in place until the cleanup below is done, failure path
     # included: torchrun SIGTERMs the other workers as soon as one exits, and the default
     # action would end a rank before it said why it stops (training/failure/).
@@ -231,14 +243,17 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
                     # Everything but the two device tensors is bound now: XLA runs this closure later.
                     backend.on_host(functools.partial(report, state.step, now - window_start, window_steps,
                                                       scheduler.get_last_lr()[0], state.samples_seen,
-                                                      sum(step_tokens[-window_steps:], StepTokens())),
+                                                      sum(step_tokens[-window_steps:], StepTokens()),
+                                                      checkpoint_wait),
                                     loss, grad_norm)
-                    window_start, window_steps = now, 0
+                    window_start, window_steps, checkpoint_wait = now, 0, 0.0
                 # Every step: any rank's stop signal, agreed one step later (training/preemption.py).
                 stopped_by = stop.poll()
+                save_started = time.perf_counter()
                 saved = ckpt.maybe_save(step=state.step, model=model, optimizer=optimizer, scheduler=scheduler,
                                         ema=ema, loader=position, state=state,
                                         force=state.step == cfg.max_steps or stopped_by is not None)
+                checkpoint_wait += time.perf_counter() - save_started
                 last_ckpt = saved or last_ckpt
                 if stopped_by is not None:
                     break
@@ -247,6 +262,7 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
             # XLA runs on_host reads at the next sync; after the last step only this one comes.
             backend.barrier()
             ckpt.close()
+            ended = "FINISHED" if stopped_by is None else "KILLED"
         except BaseException as exc:
             # Leave the collectives: nothing here waits on another rank, the save in flight is
             # abandoned (never committed half), the caller reports and exits.
@@ -255,7 +271,7 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
             raise
         finally:
             loader.close()
-            metrics.close()
+            metrics.close(ended)
     return TrainResult(steps=len(step_times), final_loss=final_loss[0] if final_loss else None,
                        step_times=step_times, samples_per_step=global_batch, checkpoint=last_ckpt,
                        model=model, stopped_by=stopped_by, step_tokens=step_tokens)

@@ -1,5 +1,6 @@
 """Training metrics out: JSON lines (always), TensorBoard (optional), a progress bar when
-a person is watching (stderr is a TTY) and a plain log line otherwise (Slurm logs).
+a person is watching (stderr is a TTY) and a plain log line otherwise (Slurm logs), and the
+sinks of training/observability (Prometheus gauges, an MLflow run) when configured.
 
 Only rank 0 writes; other ranks get a logger whose methods do nothing.
 """
@@ -11,6 +12,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +25,13 @@ class MetricsLogger:
         enabled: False on every rank but 0.
         tensorboard: also write TensorBoard scalars.
         total_steps / start_step: for the progress bar.
+        sinks: also fed every record, step and image (training/observability ``build_sinks``).
     """
 
     def __init__(self, output_dir: str | Path, *, enabled: bool, tensorboard: bool, total_steps: int,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, sinks: Sequence[Any] = ()) -> None:
         self.enabled = enabled
+        self._sinks = list(sinks) if enabled else []
         self._jsonl = None
         self._tb = None
         self._bar = None
@@ -54,6 +58,8 @@ class MetricsLogger:
         """Called every optimizer step (host-only: no device reads)."""
         if self._bar is not None:
             self._bar.update(step - self._bar.n)
+        for sink in self._sinks:
+            sink.advance(step)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         """One record: JSON line + TensorBoard scalars + bar postfix or a log line."""
@@ -66,6 +72,8 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in numbers.items():
                 self._tb.add_scalar(f"train/{key}", value, step)
+        for sink in self._sinks:
+            sink.log(step, values)
         short = {k: _fmt(v) for k, v in numbers.items()
                  if k in ("loss", "grad_norm", "lr", "samples_per_s", "mfu")}
         if self._bar is not None:
@@ -73,13 +81,20 @@ class MetricsLogger:
         else:
             log.info("step %d %s", step, " ".join(f"{k}={v}" for k, v in short.items()))
 
-    def log_image(self, step: int, tag: str, image: Any) -> None:
-        """An HWC uint8 image (a validation grid) to TensorBoard; nothing without TensorBoard."""
+    def log_image(self, step: int, tag: str, image: Any, path: Path | None = None) -> None:
+        """An HWC uint8 image (a validation grid) to TensorBoard, and its saved file (``path``)
+        to the sinks that keep artifacts."""
         if self._tb is not None:
             self._tb.add_image(tag, image, step, dataformats="HWC")
             self._tb.flush()
+        for sink in self._sinks:
+            sink.log_image(step, tag, image, path)
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """``status``: how the run ended (FINISHED, KILLED by a stop signal, FAILED), for the sinks."""
+        for sink in self._sinks:
+            sink.close(status)
+        self._sinks = []
         if self._bar is not None:
             self._bar.close()
         if self._tb is not None:

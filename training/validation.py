@@ -305,7 +305,7 @@ class Validation:
         tmp = path.with_name(f".{path.name}.part")
         Image.fromarray(picture).save(tmp, format="PNG")
         tmp.replace(path)
-        self.metrics.log_image(step, "validation/grid", picture)
+        self.metrics.log_image(step, "validation/grid", picture, path=path)
         log.info("validation: step %d, %d images in %.1f s -> %s", step, len(images),
                  time.perf_counter() - started, path)
         return path

@@ -176,7 +176,7 @@ def test_readme_config_table_matches_cdk_json_defaults():
             assert default in row.group(1), f"README.md row for {key} does not show the cdk.json default {default}"
 
 
-SECTIONS = ("model", "data", "objective", "optim", "checkpoint", "gpu", "trainium", "ema")
+SECTIONS = ("model", "data", "objective", "optim", "checkpoint", "gpu", "trainium", "ema", "tracking", "prometheus")
 FILE_SUFFIXES = {"safetensors", "pt", "json", "jsonl", "yaml", "tar", "txt", "png"}
 CONFIG_KEY = re.compile(rf"(?<![\w./-])((?:{'|'.join(SECTIONS)})\.[a-z_]+)(?=[\s:=`]|$)")
 

@@ -97,6 +97,19 @@ STANDINS = {
                   '  daemon-reload) ;;\n'
                   '  start) case $unit in sana-*) exec python3 "$STANDIN_NODE_MODEL" start-unit "$PLATFORM_ROOT" "$unit";; esac\n'
                   '    echo "systemctl start $unit: refused by the stand-in (HyperPod owns it)" >&2; exit 1;;\n'
+                  # restart of the platform's own long-running units (the observability step's
+                  # exporters, Type=exec): systemd fails the job when ExecStart's program cannot be
+                  # executed ("Failed to execute ...: No such file or directory", systemd.service(5)
+                  # Type=exec); otherwise the unit runs (marked active here; no process is started).
+                  '  restart) case $unit in sana-*) f="$PLATFORM_ROOT/etc/systemd/system/$unit"\n'
+                  '      prog=$(sed -n "s/^ExecStart=\\([^ ]*\\).*/\\1/p" "$f" 2>/dev/null)\n'
+                  # (the node's own file, or for /usr/bin and /bin this machine's: the AMI's base system)
+                  '      found=; [ -n "$prog" ] && [ -x "$PLATFORM_ROOT$prog" ] && found=1\n'
+                  '      case $prog in /usr/bin/*|/bin/*) [ -x "$prog" ] && found=1;; esac\n'
+                  '      if [ -z "$found" ]; then\n'
+                  '        echo "Job for $unit failed because of unavailable resources or another system error." >&2; exit 1; fi\n'
+                  '      mkdir -p "$PLATFORM_ROOT/run/standin-units"; touch "$PLATFORM_ROOT/run/standin-units/${unit%.service}.active"; exit 0;; esac\n'
+                  '    echo "systemctl restart $unit: refused by the stand-in (HyperPod owns it)" >&2; exit 1;;\n'
                   '  *) echo "systemctl $verb: refused by the stand-in (HyperPod owns the node\'s units)" >&2; exit 1;;\n'
                   'esac'),
     # `scontrol ping` on a node: "Slurmctld(primary) at <host> is UP", exit 0, or "... is DOWN"
@@ -158,6 +171,13 @@ STANDINS = {
             'if [ "$region" != "$STANDIN_REGION" ]; then\n'
             '  echo "Could not connect to the endpoint URL: \\"https://s3.${region:-us-east-1}.amazonaws.com/${src%%/*}\\"" >&2; exit 255; fi\n'
             'mkdir -p "$dst"; if [ -d "$STANDIN_S3/$src" ]; then cp -R "$STANDIN_S3/$src/." "$dst/"; fi'),
+    # `docker pull --quiet IMAGE` on a GPU node (HyperPod's AMI runs Docker): the digest line when
+    # the registry has IMAGE ($STANDIN_DOCKER_IMAGES stands for what the registry holds), else
+    # Docker's own refusal and exit 1.
+    "docker": ('[ "$1" = pull ] || { echo "docker $1: not stood in" >&2; exit 1; }\n'
+               'for image; do :; done\n'
+               'case " $STANDIN_DOCKER_IMAGES " in *" $image "*) echo "$image"; exit 0;; esac\n'
+               'echo "Error response from daemon: manifest for $image not found: manifest unknown: manifest unknown" >&2; exit 1'),
 }
 # iptables / ip6tables on a node: the IMDS step's rules (lifecycle_scripts/imds_block.sh). Here a
 # stand-in keeps them per node under $PLATFORM_ROOT/run/standin-netfilter: this machine's own
@@ -332,6 +352,36 @@ def container_sources(dist: Path) -> dict[str, str]:
         for path in sorted((STANDIN_DIR / "standin_pyxis").iterdir()):
             tar.add(path, arcname=f"pyxis-0.19.0/{path.name}")
     return {"LIFECYCLE_ENROOT_RELEASE_URL": release.as_uri(), "LIFECYCLE_PYXIS_SOURCE_URL": archive.as_uri()}
+
+
+#: the observability step's pins (lifecycle_scripts/observability.sh)
+OBSERVABILITY_VERSIONS = {"node_exporter": "1.9.1", "prometheus": "2.53.4", "slurm_exporter": "1.6.1"}
+
+
+def observability_sources(dist: Path, versions: dict[str, str] | None = None) -> dict[str, str]:
+    """Stand-ins of the release archives the observability step downloads, laid out as the
+    projects publish them (<name>-<version>.linux-<arch>.tar.gz holding <name>-<version>.linux-<arch>/
+    <name>, the promu layout of prometheus/node_exporter and prometheus/prometheus releases). Each
+    binary answers ``--version`` in the real programs' format ("<name>, version X.Y.Z (branch: ...,
+    revision: ...)"). promtool is the real one (Debian's), so the collector's configuration is
+    checked for real. Returns the LIFECYCLE_* settings naming them."""
+    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
+    out = {}
+    for name, version in {**OBSERVABILITY_VERSIONS, **(versions or {})}.items():
+        top = f"{name}-{version}.linux-{arch}"
+        tree = dist / name / top
+        tree.mkdir(parents=True)
+        (tree / name).write_text(f'#!/bin/sh\n# stand-in for {name} {version}\n'
+                                 f'case "$1" in --version) echo "{name}, version {version} (branch: HEAD, revision: '
+                                 f'0000000)"; echo "  build user: stand-in";; *) exit 0;; esac\n')
+        (tree / name).chmod(0o755)
+        if name == "prometheus":
+            (tree / "promtool").write_text('#!/bin/sh\nexec /usr/bin/promtool "$@"\n')
+            (tree / "promtool").chmod(0o755)
+        with tarfile.open(dist / name / f"{top}.tar.gz", "w:gz") as tar:
+            tar.add(tree, arcname=top)
+        out[f"LIFECYCLE_{name.upper()}_URL"] = (dist / name).as_uri()
+    return out
 
 
 def make_bundle(dest: Path, wheels: dict[str, Path], *, package_hash: str,

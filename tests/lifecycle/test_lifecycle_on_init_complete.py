@@ -31,12 +31,14 @@ from lifecycle_cluster import (
 )
 
 STEPS = {
-    "controller": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "containers", "ready"],
-    "login": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
-    "gpu": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ssh",
-            "ready"],
+    "controller": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "containers",
+                   "observability", "ready"],
+    "login": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers",
+              "observability", "ready"],
+    "gpu": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers",
+            "observability", "ssh", "ready"],
     "trn": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-neuron", "containers",
-            "ssh", "ready"],
+            "observability", "ssh", "ready"],
 }
 CONTRACT_VARS = ["SANA_ROLE", "SANA_FSX", "SANA_PLATFORM_DIR", "SANA_ENV_GPU", "SANA_ENV_NEURON",
                  "SANA_CHECKPOINT_ROOT", "SANA_LOG_ROOT", "SANA_DATA_ROOT", "SANA_RDZV_PORT",

@@ -18,6 +18,9 @@ variants are chosen to cover every shape the issue names with three apps:
   wheelhouse uploads) with slurmAccounting (the Secrets Manager endpoint); its wheelhouses are
   stand-ins ``stand_in_wheelhouses`` makes for the real requirements files (the real ones are
   several GB; tests/lifecycle/test_private_env.py builds a small real one).
+The ``<project>-observability`` stack is on by default (``default``, ``gpu_only``); ``trn_only``
+turns it off, and ``accounting`` adds its optional parts (Managed Grafana, the SageMaker MLflow
+tracking server, an alert email, another stall window).
 
 The optional ``<project>-serving`` stack rides on two of them instead of costing a synth of its
 own: ``trn_only`` adds ``serving=true`` with the defaults (ml.inf2.xlarge, the Neuron DLC of the
@@ -48,7 +51,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
                  "gpuInstanceCount": "4", "deepHealthChecks": "false"},
     "trn_only": {"gpuInstanceCount": 0, "trnInstanceType": "ml.trn2.48xlarge", "trnInstanceCount": 2,
                  "region": "us-east-2", "availabilityZoneId": "use2-az3", "continuousProvisioning": False,
-                 "cloudTrail": False, "serving": True,
+                 "cloudTrail": False, "serving": True, "observability": False,
                  "servingModelDataUrl": "s3://sana-artefacts-123456789012-us-east-2/serving/model-0123456789ab.tar.gz"},
     "accounting": {"slurmAccounting": "true", "clusterUsers": "ana:2001,ben:2002", "clusterGroup": "lab:3000",
                    "keyAdministrators": ["arn:aws:iam::123456789012:role/platform-admin"],
@@ -56,6 +59,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                    "logRetentionDays": 365,
                    "serving": "true", "servingInstanceType": "ml.g6.xlarge", "servingDataCapture": "true",
                    "servingMaxInstances": "4",
+                   "grafana": "true", "mlflowTrackingServer": "true", "alertEmail": "oncall@example.com",
+                   "stallMinutes": "45",
                    "servingModelDataUrl": "s3://sana-artefacts-123456789012-us-east-1/serving/model-ba9876543210.tar.gz"},
     "private": {"privateNetwork": "true", "slurmAccounting": "true"},
 }
@@ -178,9 +183,10 @@ def _synth(name: str, outdir: Path) -> Synth:
     project = context.get("projectName", "sana")
     for stack in STACKS:
         synth.templates[stack] = json.loads((outdir / f"{project}-{stack.lower()}.template.json").read_text())
-    serving = outdir / f"{project}-serving.template.json"
-    if serving.exists():  # only with serving=true (stacks/serving.py)
-        synth.templates["Serving"] = json.loads(serving.read_text())
+    for stack in ("Serving", "Observability"):  # only with serving=true / observability=true
+        template = outdir / f"{project}-{stack.lower()}.template.json"
+        if template.exists():
+            synth.templates[stack] = json.loads(template.read_text())
     return synth
 
 

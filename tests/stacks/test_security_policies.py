@@ -30,6 +30,8 @@ DOCUMENTED = {
     "kms:EncryptionContext:aws:s3:arn": SAR + "list_awskeymanagementservice.html (kms:EncryptionContext:${Key})",
     "kms:EncryptionContext:aws:logs:arn": SAR + "list_awskeymanagementservice.html (kms:EncryptionContext:${Key})",
     "kms:EncryptionContext:aws:cloudtrail:arn": SAR + "list_awskeymanagementservice.html (kms:EncryptionContext:${Key})",
+    # SNS's encryption context is the topic's ARN (https://docs.aws.amazon.com/sns/latest/dg/sns-key-management.html)
+    "kms:EncryptionContext:aws:sns:topicArn": SAR + "list_awskeymanagementservice.html (kms:EncryptionContext:${Key})",
     "s3:x-amz-server-side-encryption": SAR + "list_amazons3.html",
     "s3:x-amz-server-side-encryption-aws-kms-key-id": SAR + "list_amazons3.html",
     "s3:x-amz-server-side-encryption-customer-algorithm": SAR + "list_amazons3.html",
@@ -39,7 +41,8 @@ DOCUMENTED = {
 }
 POLICY_PROPS = {"AWS::IAM::Role": "AssumeRolePolicyDocument", "AWS::IAM::ManagedPolicy": "PolicyDocument",
                 "AWS::IAM::Policy": "PolicyDocument", "AWS::KMS::Key": "KeyPolicy",
-                "AWS::S3::BucketPolicy": "PolicyDocument", "AWS::ECR::Repository": "RepositoryPolicyText"}
+                "AWS::S3::BucketPolicy": "PolicyDocument", "AWS::ECR::Repository": "RepositoryPolicyText",
+                "AWS::SNS::TopicPolicy": "PolicyDocument"}
 
 
 def render(value, template: dict | None = None):
@@ -109,7 +112,9 @@ def test_key_users_are_the_nodes_role_by_its_fixed_name_and_the_named_users(synt
     for synth, extra in ((default, []), (accounting, ["arn:aws:iam::123456789012:role/data-engineer",
                                                        "arn:aws:iam::123456789012:user/ana",
                                                        # the accounting variant also deploys serving=true
-                                                       f"arn:aws:iam::{ACCOUNT}:role/sana-serving-model-{REGION}"])):
+                                                       f"arn:aws:iam::{ACCOUNT}:role/sana-serving-model-{REGION}",
+                                                       # ... and mlflowTrackingServer=true
+                                                       f"arn:aws:iam::{ACCOUNT}:role/sana-mlflow-{REGION}"])):
         users = key_policy(synth)["KeyUsers"]
         assert render(users["Principal"]["AWS"]) == f"arn:aws:iam::{ACCOUNT}:root"
         assert render(users["Condition"]["ArnEquals"]["aws:PrincipalArn"]) == [nodes, *extra]
@@ -215,7 +220,7 @@ def reference() -> dict:
 def test_every_condition_key_is_a_documented_one(synthesized, variant):
     synth = synthesized(variant)
     seen = set()
-    for stack in ("Network", "Storage", "Cluster"):
+    for stack in ("Network", "Storage", "Cluster", *(["Observability"] if "Observability" in synth.templates else [])):
         for type_ in POLICY_PROPS:
             for docs in statements(synth, stack, type_).values():
                 for st in docs:

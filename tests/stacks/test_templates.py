@@ -163,6 +163,8 @@ def test_execution_policy_resources_are_this_platforms_arns(default):
                 assert any(f'":s3:::{n}' in text for n in ("sana-data-", "sana-artefacts-", "sagemaker-sana-lc-")), text
             elif st["Sid"] in ("UsePlatformKey", "GrantPlatformKeyToNodeVolumes"):
                 assert "Fn::ImportValue" in text and "Key" in text, text
+            elif st["Sid"] == "RemoteWriteToThePlatformWorkspace":  # the observability stack's workspace
+                assert text.startswith('{"Fn::ImportValue": "sana-observability:') and "MetricsWorkspace" in text, text
             else:
                 assert ":ec2:" in text and '"Ref": "AWS::AccountId"' in text and '"Ref": "AWS::Region"' in text, text
 
@@ -252,6 +254,8 @@ def _render(value, refs):
         return value
     if "Ref" in value:
         return refs[value["Ref"]]
+    if "Fn::ImportValue" in value:  # another stack's output, as CloudFormation hands it over
+        return refs[value["Fn::ImportValue"]]
     sep, parts = value["Fn::Join"]
     return sep.join(_render(p, refs) for p in parts)
 
@@ -263,6 +267,10 @@ def test_platform_settings_json_follows_the_contract(default):
     # Deploy-time values (bucket names, region) are markers the deployment handler replaces.
     text = settings_file.read_text()
     refs = {"AWS::AccountId": "123456789012", "AWS::Region": "us-east-1", "AWS::URLSuffix": "amazonaws.com"}
+    # The observability stack's workspace endpoint (its PrometheusEndpoint ends with a slash).
+    (export,) = [out["Export"]["Name"] for out in default.templates["Observability"]["Outputs"].values()
+                 if "Export" in out and "PrometheusEndpoint" in json.dumps(out["Value"])]
+    refs[export] = "https://aps-workspaces.us-east-1.amazonaws.com/workspaces/ws-0123/"
     for markers in scripts["Properties"]["SourceMarkers"]:
         for marker, value in markers.items():
             text = text.replace(marker, _render(value, refs))
@@ -286,6 +294,8 @@ def test_platform_settings_json_follows_the_contract(default):
         "private_network": False,
         "image_registry": "123456789012.dkr.ecr.us-east-1.amazonaws.com",
         "wheelhouses": {},
+        "observability": {"enabled": True, "remote_write_url":
+                          "https://aps-workspaces.us-east-1.amazonaws.com/workspaces/ws-0123/api/v1/remote_write"},
     }
 
 

@@ -74,6 +74,8 @@ apply_defaults() {
   export SANA_LOG_ROOT=${SANA_LOG_ROOT:-$SANA_FSX/logs}
   export SANA_DATA_ROOT=${SANA_DATA_ROOT:-$SANA_FSX/data}
   export SANA_RDZV_PORT=${SANA_RDZV_PORT:-29500}
+  # Rank 0 advertises its metrics port here for the controller's collector (training/observability).
+  export SANA_METRICS_TARGETS_DIR=${SANA_METRICS_TARGETS_DIR:-$SANA_FSX/observability/targets}
   # HyperPod's marker directory; overridable so tests can exercise both srun forms.
   export SANA_HYPERPOD_DIR=${SANA_HYPERPOD_DIR:-/opt/sagemaker_cluster}
 }
