@@ -189,13 +189,13 @@ def test_serving_is_refused_on_a_private_network():
                                      "servingModelDataUrl": "s3://sana-artefacts-123456789012-us-east-1/serving/model-0123456789ab.tar.gz"})
 
 
-def test_secrets_manager_with_accounting_and_managed_prometheus_with_an_observability_key():
+def test_secrets_manager_with_accounting_and_managed_prometheus_with_observability():
     def services(**keys) -> set[str]:
-        return {e.service for e in required_endpoints(SimpleNamespace(**keys))}
+        return {e.service for e in required_endpoints(SimpleNamespace(**{"slurmAccounting": False,
+                                                                          "observability": False, **keys}))}
     base = services()
     assert "secretsmanager" not in base and "aps-workspaces" not in base
     assert services(slurmAccounting=True) - base == {"secretsmanager"}
-    # The observability key belongs to the observability stacks; any config that has it turned on gets the endpoint.
     assert services(observability=True) - base == {"aps-workspaces"}
 
 
