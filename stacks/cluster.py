@@ -7,14 +7,17 @@ HyperPod installs and starts Slurm (and Docker) itself, then runs our
 ``on_init_complete.sh``, which only adds the platform's layer (FSx layout, users, package,
 envs, readiness). See ``lifecycle_config`` below for the schema text this relies on.
 The lifecycle scripts and the training package are uploaded under
-``s3://<lifecycle bucket>/lifecycle/<hash>/`` where <hash> is a content hash of both trees:
-any change to either yields a new SourceS3Uri, so CloudFormation updates the cluster and
-nodes created afterwards run the new code (lifecycle_scripts/settings.sh reads the settings file).
+``s3://<lifecycle bucket>/lifecycle/<hash>/`` where <hash> is a content hash of both trees and
+of the node settings (platform-settings.json less the account/region values): any change to
+either yields a new SourceS3Uri, so CloudFormation updates the cluster, nodes created afterwards
+run the new code and settings (lifecycle_scripts/settings.sh reads the settings file), and the
+running nodes get both by a rollout (runbooks/rollout.md).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +64,12 @@ _HASH = _load_package_hash()
 EXCLUDED_NAMES = _HASH.EXCLUDED_NAMES
 package_files = _HASH.package_files
 package_hash = _HASH.package_hash
+
+
+def deployment_package_hash(config: PlatformConfig, lifecycle_dir: Path = LIFECYCLE_DIR,
+                            training_dir: Path = TRAINING_DIR) -> str:
+    """The hash `cdk deploy` uploads this configuration's package under (code + node settings)."""
+    return package_hash(lifecycle_dir, training_dir, config.node_settings())
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -241,7 +250,12 @@ class LifecycleUpload(Construct):
         if not (props.lifecycle_dir / ON_INIT_COMPLETE).is_file():
             raise FileNotFoundError(f"{props.lifecycle_dir / ON_INIT_COMPLETE} is missing: every instance group's "
                                     "LifeCycleConfig.OnInitComplete names it")
-        self.package_hash = package_hash(props.lifecycle_dir, props.training_dir)
+        node_settings = cfg.node_settings()
+        if cdk.Token.is_unresolved(json.dumps(node_settings)):
+            raise ValueError("PlatformConfig.node_settings() holds a CDK token: the nodes could not recompute the "
+                             "package hash; put values of the account or region in package_hash.ENVIRONMENT_KEYS")
+        # Code + node settings: a clusterUsers change alone is a new prefix, rolled out like code.
+        self.package_hash = package_hash(props.lifecycle_dir, props.training_dir, node_settings)
         self.prefix = f"lifecycle/{self.package_hash}/"
         self.source_s3_uri = f"s3://{buckets.lifecycle.bucket_name}/{self.prefix}"
         self.settings = cfg.settings(

@@ -411,17 +411,28 @@ class PlatformConfig:
 
     def settings(self, *, region: str, data_bucket: str, artefacts_bucket: str, lifecycle_bucket: str,
                  package_hash: str) -> dict[str, Any]:
-        """platform-settings.json, uploaded next to the lifecycle scripts; lifecycle_scripts/settings.sh reads it."""
+        """platform-settings.json, uploaded next to the lifecycle scripts; lifecycle_scripts/settings.sh reads it.
+
+        The node settings plus what the deployment's account and region decide (and the hash):
+        exactly lifecycle_scripts/package_hash.py's ENVIRONMENT_KEYS, which the hash leaves out.
+        """
         return {
-            "project": self.projectName,
-            "cluster_name": self.clusterName,
             "region": region,
-            "fsx_mount": FSX_MOUNT,
-            "groups": self.groups,
             "data_bucket": data_bucket,
             "artefacts_bucket": artefacts_bucket,
             "lifecycle_bucket": lifecycle_bucket,
             "package_hash": package_hash,
+            **self.node_settings(),
+        }
+
+    def node_settings(self) -> dict[str, Any]:
+        """The settings a node installs that this configuration alone decides (no CDK token):
+        hashed into the package prefix, so changing any of them is a new package to roll out."""
+        return {
+            "project": self.projectName,
+            "cluster_name": self.clusterName,
+            "fsx_mount": FSX_MOUNT,
+            "groups": self.groups,
             "neuron_pip_index": NEURON_PIP_INDEX,
             "rendezvous_port": RENDEZVOUS_PORT,
             "envs": {"gpu": f"{FSX_MOUNT}/envs/gpu", "neuron": f"{FSX_MOUNT}/envs/neuron"},

@@ -31,11 +31,11 @@ from lifecycle_cluster import (
 )
 
 STEPS = {
-    "controller": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "containers", "ready"],
-    "login": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ready"],
-    "gpu": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers", "ssh",
+    "controller": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "sync", "profile", "containers", "ready"],
+    "login": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "sync", "profile", "env-gpu", "containers", "ready"],
+    "gpu": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "sync", "profile", "env-gpu", "containers", "ssh",
             "ready"],
-    "trn": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-neuron", "containers",
+    "trn": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "sync", "profile", "env-neuron", "containers",
             "ssh", "ready"],
 }
 CONTRACT_VARS = ["SANA_ROLE", "SANA_FSX", "SANA_PLATFORM_DIR", "SANA_ENV_GPU", "SANA_ENV_NEURON",

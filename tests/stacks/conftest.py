@@ -64,7 +64,7 @@ class Synth:
     templates: dict[str, dict] = field(default_factory=dict)
     platform: Any = None  # stacks.platform.Platform for in-process variants
     cli_output: str = ""  # stdout+stderr of `cdk synth` for CLI variants
-    package_hash: str = ""  # of lifecycle_scripts/ + training/ at synth; "" if they changed during synth
+    package_hash: str = ""  # of lifecycle_scripts/ + training/ + node settings at synth; "" if the trees changed during synth
 
     def template(self, stack: str):
         from aws_cdk.assertions import Template
@@ -95,10 +95,8 @@ class BackgroundCliSynth:
     """`cdk synth` of a CLI variant in a child process, started early so it overlaps the in-process synth."""
 
     def __init__(self, name: str, outdir: Path) -> None:
-        from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_hash
-
         self.outdir = outdir
-        self.hash_before = package_hash(LIFECYCLE_DIR, TRAINING_DIR)
+        self.hash_before = expected_package_hash(VARIANTS[name])
         overrides = [arg for key, value in VARIANTS[name].items() for arg in ("-c", f"{key}={value}")]
         cmd, env = _cli_command("synth", "--quiet", "--no-notices", "--output", str(outdir), *overrides)
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -129,11 +127,17 @@ def _start_cli_synths(request, tmp_path_factory):
         job.stop()
 
 
-def _synth(name: str, outdir: Path) -> Synth:
-    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_hash
+def expected_package_hash(context: dict[str, Any]) -> str:
+    """The package hash of the tree now, for a variant's configuration (code + node settings)."""
+    from stacks.cluster import deployment_package_hash
+    from stacks.platform import PlatformConfig, cdk_json_context
 
+    return deployment_package_hash(PlatformConfig.from_context({**cdk_json_context(), **context}))
+
+
+def _synth(name: str, outdir: Path) -> Synth:
     context = VARIANTS[name]
-    expected_hash = package_hash(LIFECYCLE_DIR, TRAINING_DIR)
+    expected_hash = expected_package_hash(context)
     cli_output = ""
     if name in CLI_VARIANTS:
         job = _BACKGROUND[name]
@@ -144,7 +148,7 @@ def _synth(name: str, outdir: Path) -> Synth:
 
         platform = build_app(context, outdir=str(outdir))
         platform.app.synth()
-    if package_hash(LIFECYCLE_DIR, TRAINING_DIR) != expected_hash:
+    if expected_package_hash(context) != expected_hash:
         expected_hash = ""  # edited while synthesizing (several engineers share this checkout)
     synth = Synth(name=name, outdir=outdir, context=context,
                   platform=None if name in CLI_VARIANTS else platform, package_hash=expected_hash,

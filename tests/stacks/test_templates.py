@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 from aws_cdk.assertions import Match
@@ -256,17 +259,21 @@ def _render(value, refs):
     return sep.join(_render(p, refs) for p in parts)
 
 
-def test_platform_settings_json_follows_the_contract(default):
-    (settings_file,) = default.outdir.glob("asset.*/platform-settings.json")
-    (scripts,) = [d for d in default.resources("Cluster", "Custom::CDKBucketDeployment").values()
+def deployed_settings(synth, refs: dict[str, str]) -> dict:
+    """platform-settings.json as the deployment handler writes it to S3 (markers replaced)."""
+    (settings_file,) = synth.outdir.glob("asset.*/platform-settings.json")
+    (scripts,) = [d for d in synth.resources("Cluster", "Custom::CDKBucketDeployment").values()
                   if "SourceMarkers" in d["Properties"]]
     # Deploy-time values (bucket names, region) are markers the deployment handler replaces.
     text = settings_file.read_text()
-    refs = {"AWS::AccountId": "123456789012", "AWS::Region": "us-east-1"}
     for markers in scripts["Properties"]["SourceMarkers"]:
         for marker, value in markers.items():
             text = text.replace(marker, _render(value, refs))
-    settings = json.loads(text)
+    return json.loads(text)
+
+
+def test_platform_settings_json_follows_the_contract(default):
+    settings = deployed_settings(default, {"AWS::AccountId": "123456789012", "AWS::Region": "us-east-1"})
     h = deployed_hash(default)
     assert settings == {
         "project": "sana", "cluster_name": "sana-hyperpod", "region": "us-east-1", "fsx_mount": "/fsx",
@@ -284,6 +291,23 @@ def test_platform_settings_json_follows_the_contract(default):
         "slurm_accounting": False,
         "container_runtime": True,
     }
+
+
+@pytest.mark.parametrize("region", ["us-east-1", "eu-west-1"])
+def test_the_node_recomputes_the_prefix_hash_from_what_s3_holds(default, tmp_path, region):
+    """What rollout.sh checks on a fetched prefix: the uploaded scripts, training/ and the
+    settings file as S3 holds it (deploy-time values resolved, in any account and region)
+    hash, by the node's own package_hash.py, to the name of the prefix."""
+    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR
+
+    lifecycle, training = tmp_path / "lifecycle", tmp_path / "training"
+    shutil.copytree(LIFECYCLE_DIR, lifecycle)
+    shutil.copytree(TRAINING_DIR, training)
+    settings = deployed_settings(default, {"AWS::AccountId": "210987654321", "AWS::Region": region})
+    (lifecycle / "platform-settings.json").write_text(json.dumps(settings))
+    node_hash = subprocess.run([sys.executable, "-I", str(lifecycle / "package_hash.py"), str(lifecycle),
+                                str(training)], capture_output=True, text=True, check=True).stdout.strip()
+    assert node_hash == settings["package_hash"] == deployed_hash(default)
 
 
 def test_execution_role_tags_node_interfaces_as_the_reference_policy_does(default):
