@@ -252,6 +252,13 @@ def build(kind: str, options: BuildOptions, *, builder: str | None = None, pip: 
     return meta
 
 
+def _repository_prefix() -> str:
+    """PlatformConfig.retained_prefix of cdk.json's context: the first part of the repositories' names."""
+    from stacks.config import PlatformConfig
+
+    return PlatformConfig.from_context(json.loads((REPO / "cdk.json").read_text())["context"]).retained_prefix
+
+
 def push(kind: str, registry: str, options: BuildOptions, *, builder: str | None = None) -> str:
     """Tag the local image for ``registry/<project>/<name>:<tag>`` and push it (after ECR login)."""
     spec = spec_of(kind)
@@ -259,9 +266,10 @@ def push(kind: str, registry: str, options: BuildOptions, *, builder: str | None
         raise ImageError(f"--registry {registry}: not an ECR registry; use ACCOUNT.dkr.ecr.REGION.amazonaws.com")
     tool = detect_builder(builder)
     meta = image_meta(spec, options)
-    # The repository is <projectName>/sana-<kind> (stacks/images.py), projectName from cdk.json.
-    project = os.environ.get("SANA_PROJECT") or json.loads((REPO / "cdk.json").read_text())["context"]["projectName"]
-    remote = f"{registry}/{project}/{spec.name}:{meta.tag}"
+    # The repository is <projectName>/sana-<kind> (stacks/images.py), from cdk.json (with -g<N> from
+    # deploymentGeneration 2 on: PlatformConfig.retained_prefix).
+    prefix = os.environ.get("SANA_PROJECT") or _repository_prefix()
+    remote = f"{registry}/{prefix}/{spec.name}:{meta.tag}"
     region = registry.split(".dkr.ecr.")[1].removesuffix(".amazonaws.com")
     password = subprocess.run(["aws", "ecr", "get-login-password", "--region", region], capture_output=True,
                               text=True)

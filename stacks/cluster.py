@@ -31,9 +31,9 @@ from constructs import Construct
 
 from stacks.accounting import AccountingDatabase
 from stacks.cluster_logs import ClusterLogGroup
-from stacks.common import acknowledge, ignore_cfn_lint, removal_policy
+from stacks.common import acknowledge, ignore_cfn_lint
 from stacks.config import FSX_MOUNT, PlatformConfig
-from stacks.images import ImageRepositories
+from stacks.images import RegistryLogin
 from stacks.names import execution_role_name
 from stacks.network import Network
 from stacks.storage import StorageStack, bucket_names
@@ -85,10 +85,10 @@ class ClusterProps:
 class PlatformBuckets(Construct):
     """The storage stack's buckets, referenced by their deterministic names (no exports)."""
 
-    def __init__(self, scope: Construct, id: str, *, project: str, key: kms.IKey) -> None:
+    def __init__(self, scope: Construct, id: str, *, name_prefix: str, key: kms.IKey) -> None:
         super().__init__(scope, id)
         self.key = key
-        self.names = bucket_names(project)
+        self.names = bucket_names(name_prefix)
         self.data, self.artefacts, self.lifecycle = (
             s3.Bucket.from_bucket_attributes(self, kind.capitalize(), bucket_name=self.names[kind], encryption_key=key)
             for kind in ("data", "artefacts", "lifecycle"))
@@ -105,9 +105,9 @@ def nag_partition(scope: Construct) -> str:
     return "<AWS::Partition>" if cdk.Token.is_unresolved(partition) else partition
 
 
-def nag_bucket_arn(project: str, kind: str, partition: str = "<AWS::Partition>") -> str:
+def nag_bucket_arn(name_prefix: str, kind: str, partition: str = "<AWS::Partition>") -> str:
     """A platform bucket's ARN as cdk-nag prints it in finding IDs (pseudo parameters in <>)."""
-    name = bucket_names(project)[kind]
+    name = bucket_names(name_prefix)[kind]
     for token, text in ((cdk.Aws.ACCOUNT_ID, "<AWS::AccountId>"), (cdk.Aws.REGION, "<AWS::Region>")):
         name = name.replace(token, text)
     return f"arn:{partition}:s3:::{name}"
@@ -216,9 +216,9 @@ class ExecutionRole(Construct):
                     "HyperPod requires this AWS managed policy on the cluster execution role (node agent, "
                     "CloudWatch logs/metrics under /aws/sagemaker/Clusters, lifecycle buckets named "
                     "sagemaker-*); AWS maintains it as the service evolves.")
-        self._acknowledge_wildcards(props.config.projectName)
+        self._acknowledge_wildcards(props.config.retained_prefix)
 
-    def _acknowledge_wildcards(self, project: str) -> None:
+    def _acknowledge_wildcards(self, name_prefix: str) -> None:
         """Each object/ENI wildcard is scoped to exactly one platform bucket or to ENIs of this account/region."""
         reasons = {
             "Resource::*": "ec2:Describe* actions do not support resource-level permissions "
@@ -228,7 +228,7 @@ class ExecutionRole(Construct):
                 "account and region, and creation is further limited to the cluster subnet and group.",
         }
         for kind, what in (("lifecycle", "lifecycle/"), ("data", ""), ("artefacts", "")):
-            reasons[f"Resource::{nag_bucket_arn(project, kind, nag_partition(self))}/{what}*"] = (
+            reasons[f"Resource::{nag_bucket_arn(name_prefix, kind, nag_partition(self))}/{what}*"] = (
                 "Object-level access within exactly one platform bucket (the objects are created by "
                 "training jobs at run time); the bucket itself is named, never s3:*.")
         for finding, reason in reasons.items():
@@ -281,7 +281,7 @@ class Cluster(Construct):
     def __init__(self, scope: Construct, id: str, *, props: ClusterProps) -> None:
         super().__init__(scope, id)
         cfg = props.config
-        self.buckets = PlatformBuckets(self, "Buckets", project=cfg.projectName, key=props.storage.buckets.key)
+        self.buckets = PlatformBuckets(self, "Buckets", name_prefix=cfg.retained_prefix, key=props.storage.buckets.key)
         self.execution_role = ExecutionRole(self, "ExecutionRole", props=props, buckets=self.buckets)
         self.upload = LifecycleUpload(self, "Lifecycle", props=props, buckets=self.buckets)
         fs = props.storage.file_system
@@ -410,28 +410,22 @@ class ClusterStack(cdk.Stack):
         self.cluster_logs = ClusterLogGroup(self, "ClusterLogs", cluster=self.cluster.cluster,
                                             cluster_name=config.clusterName, key=buckets.key,
                                             retention_days=config.logRetentionDays)
-        # Training images (containers/, runbooks/containers.md): pulled by the nodes' role only.
-        self.images = ImageRepositories(self, "Images", project=config.projectName, key=buckets.key,
-                                        pull_role=self.cluster.execution_role.role,
-                                        removal_policy=removal_policy(config))
+        # The image repositories are the storage stack's (kept with the data); the nodes' role
+        # may get the registry login token.
+        self.registry_login = RegistryLogin(self, "RegistryLogin", role=self.cluster.execution_role.role)
         outputs = {
             "ClusterName": (config.clusterName, "HyperPod cluster name (aws sagemaker describe-cluster --cluster-name ...)"),
             "ClusterArn": (self.cluster.cluster.attr_cluster_arn, "HyperPod cluster ARN"),
-            "DataBucket": (buckets.data.bucket_name, "Raw data and precomputed feature shards"),
-            "ArtefactsBucket": (buckets.artefacts.bucket_name, "Checkpoints, exports, reports, compile caches"),
+            "DataBucket": (buckets.data.bucket_name, "Raw data and precomputed feature shards (/fsx/data on FSx)"),
+            "ArtefactsBucket": (buckets.artefacts.bucket_name,
+                                "Checkpoints, exports, reports, compile caches (/fsx/artefacts on FSx)"),
             "LifecycleBucket": (buckets.lifecycle.bucket_name, "Lifecycle scripts and the training package"),
-            "LifecycleUri": (upload.source_s3_uri, "LifeCycleConfig.SourceS3Uri of every instance group"),
+            "LifecycleUri": (upload.source_s3_uri, "LifeCycleConfig.SourceS3Uri of every instance group: the package "
+                                                   "to roll out (runbooks/rollout.md)"),
             "FeaturesUri": (f"s3://{buckets.data.bucket_name}/features/",
-                            "data.path for training configs (also visible on /fsx/data/features)"),
-            "CheckpointMirrorUri": (f"s3://{buckets.artefacts.bucket_name}/checkpoints/",
-                                    "checkpoint.s3_mirror for training configs"),
-            "NeuronCompileCacheUri": (f"s3://{buckets.artefacts.bucket_name}/neuron-compile-cache/",
-                                      "Neuron persistent compile cache URL"),
-            "ReportsUri": (f"s3://{buckets.artefacts.bucket_name}/reports/", "bench results and reports"),
-            "GpuImageRepositoryUri": (self.images.repositories["gpu"].repository_uri,
-                                      "ECR repository of the GPU training image (make push-image IMAGE=gpu)"),
-            "NeuronImageRepositoryUri": (self.images.repositories["neuron"].repository_uri,
-                                         "ECR repository of the Neuron training image (make push-image IMAGE=neuron)"),
+                            "Where precomputed shards go in S3; jobs read them as /fsx/data/features"),
+            "CheckpointsUri": (f"s3://{buckets.artefacts.bucket_name}/checkpoints/",
+                               "S3 copy of /fsx/artefacts/checkpoints (FSx exports every run directory)"),
         }
         for key, (value, description) in outputs.items():
             cdk.CfnOutput(self, key, value=value, description=description)
@@ -479,7 +473,7 @@ class ClusterStack(cdk.Stack):
             "Action::kms:ReEncrypt*": "CDK grant on the platform key of the lifecycle bucket (copy between prefixes).",
             f"Resource::{assets}": "Objects of the CDK bootstrap asset bucket, where `cdk deploy` puts the zipped "
                                    "scripts (asset object keys are content hashes not known in advance).",
-            f"Resource::{nag_bucket_arn(config.projectName, 'lifecycle', partition)}/*":
+            f"Resource::{nag_bucket_arn(config.retained_prefix, 'lifecycle', partition)}/*":
                 "Objects of exactly the platform's lifecycle bucket (the destination).",
         }
         for finding, reason in wildcards.items():

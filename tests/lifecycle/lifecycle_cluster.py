@@ -204,6 +204,8 @@ SSHD_PAM = ("# PAM configuration for the Secure Shell service\n@include common-a
             "@include common-account\nsession [success=ok ignore=ignore module_unknown=ignore default=bad] pam_selinux.so close\n"
             "@include common-session\n@include common-password\n")
 GROUP = ("sana", 2000)
+ADMIN_GROUP = ("sana-admin", 2999)
+ADMINS = ("analyst",)  # cdk.json clusterAdmins: cluster users who may sudo
 
 ROLES = {"controller": "controller", "login": "login", "gpu": "gpu", "trn": "trn"}
 NODES = {  # instance name -> (group, CustomerIpAddress)
@@ -231,6 +233,8 @@ def settings(package_hash: str) -> dict:
         "envs": {"gpu": "/fsx/envs/gpu", "neuron": "/fsx/envs/neuron"},
         "cluster_group": {"name": GROUP[0], "gid": GROUP[1]},
         "cluster_users": [{"name": name, "uid": uid} for name, uid in USERS.items()],
+        "cluster_admins": list(ADMINS),
+        "admin_group": {"name": ADMIN_GROUP[0], "gid": ADMIN_GROUP[1]},
         "home_root": "/fsx/home",
         "slurm_accounting": False,
         "container_runtime": True,

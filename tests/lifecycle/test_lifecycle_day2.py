@@ -14,7 +14,7 @@ import re
 import subprocess
 
 import pytest
-from lifecycle_cluster import GROUP, USERS, Cluster
+from lifecycle_cluster import ADMIN_GROUP, ADMINS, GROUP, USERS, Cluster
 from test_lifecycle_rollout import rollout, upload_new
 
 NODES = ("controller-1", "login-1", "gpu-1", "trn-1")
@@ -34,6 +34,11 @@ def boot(c: Cluster, nodes=NODES) -> Cluster:
 
 def add_carol(data: dict) -> None:
     data["cluster_users"].append({"name": "carol", "uid": 2003})
+
+
+def add_carol_as_admin(data: dict) -> None:
+    add_carol(data)
+    data["cluster_admins"].append("carol")
 
 
 def settings_line(c: Cluster, node: str) -> tuple[str, ...]:
@@ -57,8 +62,8 @@ def test_a_user_added_after_deploy_reaches_every_running_node_by_the_rollout(mak
         assert not (c.fsx / f"logs/provision/{node}.settings").exists()
     assert "assoc carol sana" not in associations(c)
 
-    # cdk.json gains carol; `cdk deploy` uploads a new prefix: the code is the same, the hash is not.
-    _, new = upload_new(c, wheels, s3_endpoint, lifecycle_bucket, "pkg0001", edit_settings=add_carol)
+    # cdk.json gains carol (an admin too); `cdk deploy` uploads a new prefix: same code, another hash.
+    _, new = upload_new(c, wheels, s3_endpoint, lifecycle_bucket, "pkg0001", edit_settings=add_carol_as_admin)
     assert new != "pkg0001"
     result, outcome, _ = rollout(c, "gpu-1", new)
     assert outcome == "PENDING", result.stdout[-2000:]
@@ -73,7 +78,9 @@ def test_a_user_added_after_deploy_reaches_every_running_node_by_the_rollout(mak
         assert ["carol", "x", "2003", str(GROUP[1]), "", "/fsx/home/carol", "/bin/bash"] in c.accounts(node)
         verdict, name, _, package, rest = settings_line(c, node)
         assert (verdict, name, package) == ("APPLIED", node, new)
-        assert rest.startswith(f"users={','.join([*USERS, 'carol'])} ")
+        assert rest == f"users={','.join([*USERS, 'carol'])} admins={','.join([*ADMINS, 'carol'])}"
+        (group,) = [e for e in c.accounts(node, "group") if e[0] == ADMIN_GROUP[0]]
+        assert group[3] == ",".join([*ADMINS, "carol"])  # she may sudo there
     assert "assoc carol sana" in associations(c)  # her association, made once slurmdbd answered
     home = c.fsx / "home/carol"
     assert home.stat().st_uid == 2003 and (home / ".ssh/id_ed25519").exists()

@@ -53,6 +53,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
                    "servingMaxInstances": "4",
                    "servingModelDataUrl": "s3://sana-artefacts-123456789012-us-east-1/serving/model-ba9876543210.tar.gz"},
 }
+# The next deployment after a full teardown (tests/stacks/test_redeploy.py).
+VARIANTS["default_g2"] = {"deploymentGeneration": 2}
+VARIANTS["accounting_g2"] = {**VARIANTS["accounting"], "deploymentGeneration": 2}
 CLI_VARIANTS = {"gpu_only"}
 
 

@@ -287,6 +287,8 @@ def test_platform_settings_json_follows_the_contract(default):
         "envs": {"gpu": "/fsx/envs/gpu", "neuron": "/fsx/envs/neuron"},
         "cluster_group": {"name": "sana", "gid": 2000},
         "cluster_users": [{"name": "researcher", "uid": 2001}],
+        "cluster_admins": [],
+        "admin_group": {"name": "sana-admin", "gid": 2999},
         "home_root": "/fsx/home",
         "slurm_accounting": False,
         "container_runtime": True,
@@ -364,16 +366,20 @@ def test_no_accounting_resources_by_default(default):
 
 
 def test_outputs(default):
-    outputs = set(default.templates["Cluster"]["Outputs"]) | set(default.templates["Storage"]["Outputs"])
-    assert {"ClusterName", "ClusterArn", "DataBucket", "ArtefactsBucket", "LifecycleBucket", "LifecycleUri",
-            "FsxDnsName", "FsxMountName", "FeaturesUri", "CheckpointMirrorUri", "NeuronCompileCacheUri"} <= outputs
+    """Every output is one the runbooks use (tests/docs/test_runbooks.py checks the other way)."""
+    assert set(default.templates["Cluster"]["Outputs"]) == {
+        "ClusterName", "ClusterArn", "DataBucket", "ArtefactsBucket", "LifecycleBucket", "LifecycleUri",
+        "FeaturesUri", "CheckpointsUri"}
+    assert {"FsxDnsName", "FsxMountName", "FsxFileSystemId", "GpuImageRepositoryUri",
+            "NeuronImageRepositoryUri"} <= set(default.templates["Storage"]["Outputs"])
 
 
 def test_uploaded_files_are_exactly_the_hashed_files(default):
     """The asset's exclusions (CDK globs) and package_hash's must agree, or the hash would lie."""
-    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_files, package_hash
+    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_files
+    from tests.stacks.conftest import expected_package_hash
 
-    if not default.package_hash or package_hash(LIFECYCLE_DIR, TRAINING_DIR) != default.package_hash:
+    if not default.package_hash or expected_package_hash(default.context) != default.package_hash:
         skip_or_fail("lifecycle_scripts/ or training/ changed since the synth (shared checkout)",
                      required_by="SANA_REQUIRE_ALL")
     assets = [d for d in default.outdir.glob("asset.*") if d.is_dir()]
