@@ -279,8 +279,27 @@ def test_accelerator_nodes_ask_their_driver(cluster):
         assert asked == expected, (node, asked)
         units = {ln for ln in calls(node).splitlines() if ln.startswith("systemctl ") and "is-active" not in ln
                  and "show " not in ln}
+        # The platform's own units only: the late check and the settings timer (settings_timer.sh).
         assert units == {"systemctl daemon-reload", "systemctl enable sana-node-ready.service",
-                         "systemctl start --no-block sana-node-ready.service"}, (node, units)
+                         "systemctl start --no-block sana-node-ready.service", "systemctl enable sana-settings.timer",
+                         "systemctl start sana-settings.timer"}, (node, units)
+
+
+@pytest.mark.parametrize("node", ["controller-1", "trn-2"])
+def test_the_settings_timer_runs_the_current_packages_sync_every_two_minutes(cluster, node):
+    """sana-settings.timer (settings_timer.sh): enabled for every boot (timers.target), started now,
+    its service running settings_sync.sh of whatever package `current` is (systemd.timer(5))."""
+    c, _, _ = cluster
+    units = c.root(node) / node_model.UNITS
+    timer = (units / "sana-settings.timer").read_text()
+    assert "OnActiveSec=30s\nOnUnitActiveSec=2min\n" in timer and "WantedBy=timers.target" in timer
+    service = (units / "sana-settings.service").read_text()
+    assert "ExecStart=/bin/bash /fsx/platform/current/lifecycle/settings_sync.sh\n" in service
+    assert "Type=oneshot" in service
+    assert "sana-settings.timer" in node_model.wanted_by(c.root(node), "timers.target")
+    assert (c.root(node) / node_model.MARKERS / "sana-settings.timer.active").exists()
+    # The boot applied the current package's settings: the first run has nothing to do.
+    assert (c.root(node) / "var/lib/sana-platform/settings-applied").read_text().strip() == "pkg0001"
 
 
 def test_the_late_check_is_a_unit_that_runs_after_the_slurm_daemon(cluster):
