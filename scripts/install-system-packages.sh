@@ -9,16 +9,18 @@
 # test (tests/lifecycle/test_imds_block.py) installs the lifecycle's real iptables rules inside
 # network namespaces of its own (`ip netns`); systemd (the lifecycle tests enable the platform's
 # unit with the real `systemctl --root`), make and curl (the containers step builds and downloads
-# its stand-in release files over file://). Skips apt entirely when all are present.
+# its stand-in release files over file://); sudo, for its visudo (the lifecycle checks the admins'
+# sudoers entry with it, tests/lifecycle/test_lifecycle_users.py). These are test-only: `make
+# synth/audit/deploy` need none of them. Skips apt entirely when all are present.
 set -euo pipefail
 
 readonly PACKAGES=(slurm-wlm munge mariadb-server slurmdbd gcc make shellcheck mmdebstrap buildah podman squashfs-tools
-  iptables iproute2 systemd curl)
+  iptables iproute2 systemd curl sudo)
 
 all_present() {
   local tool
   for tool in slurmctld slurmd munged mariadbd mariadb-install-db slurmdbd sacct shellcheck cc \
-    mmdebstrap buildah podman mksquashfs unsquashfs iptables ip6tables iptables-restore ip make systemctl curl; do
+    mmdebstrap buildah podman mksquashfs unsquashfs iptables ip6tables iptables-restore ip make systemctl curl visudo; do
     command -v "$tool" >/dev/null || return 1
   done
 }

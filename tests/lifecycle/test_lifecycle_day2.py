@@ -84,7 +84,8 @@ def test_a_user_added_after_deploy_reaches_every_running_node_by_the_rollout(mak
     assert "assoc carol sana" in associations(c)  # her association, made once slurmdbd answered
     home = c.fsx / "home/carol"
     assert home.stat().st_uid == 2003 and (home / ".ssh/id_ed25519").exists()
-    for rel in ("logs/carol", "artefacts/checkpoints/carol", "cache/inductor/carol", "cache/neuron/carol"):
+    for rel in ("logs/carol", "artefacts/checkpoints/carol", "cache/inductor/carol", "cache/neuron/carol", "runs/carol",
+                "exports/carol"):
         assert (c.fsx / rel).stat().st_uid == 2003, rel
 
     # Every later run of the timer: nothing to do, nothing written.

@@ -198,10 +198,12 @@ def test_shared_directories_exist_with_their_owners_and_modes(cluster):
     expected = {"envs": (0, 0, 0o755), "platform": (0, 0, 0o755), "logs/provision": (0, 0, 0o755),
                 "data": (0, gid, 0o3775), "artefacts": (0, gid, 0o3775), "logs": (0, 0, 0o1755),
                 "logs/root": (0, 0, 0o700), "artefacts/checkpoints": (0, 0, 0o755), "cache": (0, 0, 0o755),
-                "cache/inductor": (0, 0, 0o755), "cache/neuron": (0, 0, 0o755), "home": (0, 0, 0o755)}
+                "cache/inductor": (0, 0, 0o755), "cache/neuron": (0, 0, 0o755), "home": (0, 0, 0o755),
+                # the paths the runbooks' commands use: weights an admin stages, runs by hand, exports
+                "models": (0, 0, 0o755), "runs": (0, 0, 0o755), "exports": (0, 0, 0o755)}
     # One private directory per cluster user in every tree that holds a user's runs.
     for name, uid in USERS.items():
-        for tree in ("logs", "artefacts/checkpoints", "cache/inductor", "cache/neuron"):
+        for tree in ("logs", "artefacts/checkpoints", "cache/inductor", "cache/neuron", "runs", "exports"):
             expected[f"{tree}/{name}"] = (uid, gid, 0o700)
     got = {d: ((st := (c.fsx / d).stat()).st_uid, st.st_gid, st.st_mode & 0o7777) for d in expected}
     assert got == expected
