@@ -1,8 +1,8 @@
 """Storage: the platform KMS key, the data / artefacts / lifecycle buckets, FSx for Lustre and the image repositories.
 
-Data flow (DESIGN.md): S3 features -> FSx `/data` (imported automatically) -> training on
-`/fsx`; reports and other artefacts under FSx `/artefacts` are exported to the artefacts
-bucket automatically. Checkpoints are mirrored to S3 by the training package itself.
+Data flow: S3 features -> FSx `/data` (imported automatically) -> training on
+`/fsx`; checkpoints, reports and other artefacts under FSx `/artefacts` are exported to the
+artefacts bucket automatically (a cluster user's job has no S3 credentials of its own).
 """
 
 from __future__ import annotations
