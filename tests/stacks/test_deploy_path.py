@@ -93,4 +93,8 @@ def test_a_lean_venv_synthesizes_and_audits_without_the_training_stack(tmp_path)
     assert {p.name for p in out.glob("*.template.json")} == {
         "sana-network.template.json", "sana-storage.template.json", "sana-cluster.template.json"}
     assert "AUDIT PASSED: no open findings" in audit.stdout, audit.stdout[-2000:]
+    # What `make teardown` runs after its destroys works there too.
+    kept = subprocess.run([str(python), "-m", "stacks.cost", "kept", "--after", "teardown"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert kept.returncode == 0 and "fixed total: $" in kept.stdout, kept.stderr[-2000:]
     shutil.rmtree(venv)
