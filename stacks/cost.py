@@ -5,8 +5,9 @@ keeps billing after each teardown step (runbooks/cost.md, runbooks/teardown.md).
     python -m stacks.cost kept --after teardown|teardown-all [-c key=value ...]
 
 The configuration is cdk.json's context (plus ``-c`` overrides, as the CDK CLI takes them). The
-prices are training/prices.yaml: the instances from its ``prices`` (training/decision/prices.py,
-the table the training report uses), the rest from its ``platform`` section (validated here).
+prices are training/prices.yaml: the accelerator instances from its ``prices``
+(training/decision/prices.py, the table the training report uses), the endpoint from ``serving``,
+the rest (head nodes included) from its ``platform`` section (validated here).
 Every figure there is a list price written down, not re-read (each entry says so): the tables
 show the arithmetic, so new prices can be entered and the tables regenerated.
 
@@ -93,6 +94,17 @@ def load_platform_prices(path: Path = DEFAULT_PRICES) -> dict[str, UnitPrice]:
     return out
 
 
+def instance_price(table: PriceTable, prices: dict[str, UnitPrice], instance_type: str) -> float:
+    """$/hour of an ml.* type: the accelerators from ``prices`` (the decision's table), the head
+    nodes' CPU types from ``platform``."""
+    if instance_type in table.prices:
+        return table.prices[instance_type].usd_per_hour
+    if instance_type in prices and prices[instance_type].per == "hour":
+        return prices[instance_type].usd
+    raise UserError(f"no price for {instance_type} in {table.path}: add platform.{instance_type} (usd, per: hour) "
+                    "or prices.{instance_type}")
+
+
 def serving_price(table: PriceTable, instance_type: str) -> float:
     """The endpoint's $/hour from the price file's ``serving`` section (training/serve/cost.py's
     layout, validated by the same entry check as every price)."""
@@ -123,7 +135,7 @@ def lines(cfg: PlatformConfig, table: PriceTable, prices: dict[str, UnitPrice]) 
     for group, instance_type, count, ebs in nodes:
         if not count:
             continue
-        price = table.get(instance_type).usd_per_hour
+        price = instance_price(table, prices, instance_type)
         out.append(Line(item=f"{group} nodes ({instance_type})", stack="cluster", usd_per_hour=count * price,
                         how=f"{count} x ${price:g}/h"))
         ebs_gib += count * ebs

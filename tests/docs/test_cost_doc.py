@@ -52,7 +52,8 @@ def test_the_figures_are_the_price_table_times_the_default_counts():
     rows = doc_rows()
     for group in ("controller", "login", "gpu", "trn"):
         instance_type = CONTEXT[f"{group}InstanceType"]
-        hourly = CONTEXT[f"{group}InstanceCount"] * PRICES["prices"][instance_type]["usd_per_hour"]
+        entry = PRICES["prices"].get(instance_type) or PRICES["platform"][instance_type]  # head nodes: platform
+        hourly = CONTEXT[f"{group}InstanceCount"] * entry.get("usd_per_hour", entry.get("usd"))
         assert rows[f"{group} nodes ({instance_type})"] == (round(hourly, 2), round(hourly * 730, 2)), group
     fsx = CONTEXT["fsxStorageGiB"] * PRICES["platform"][f"fsx_lustre_persistent2_{CONTEXT['fsxThroughputPerTiB']}"]["usd"]
     assert rows[f"FSx for Lustre ({CONTEXT['fsxStorageGiB']} GiB, {CONTEXT['fsxThroughputPerTiB']} MB/s/TiB)"][1] == \
