@@ -98,3 +98,30 @@ def test_a_lean_venv_synthesizes_and_audits_without_the_training_stack(tmp_path)
                           capture_output=True, text=True, timeout=300)
     assert kept.returncode == 0 and "fixed total: $" in kept.stdout, kept.stderr[-2000:]
     shutil.rmtree(venv)
+
+
+def test_teardown_all_turns_off_the_accounting_databases_protection_only_where_there_is_one(tmp_path):
+    """runbooks/teardown.md, step 1. The AWS CLI is a stand-in that records its arguments (no
+    AWS account here); the command is what the runbook names."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    (bin_dir / "aws").write_text(f'#!/bin/sh\necho "$*" >>"{calls}"\n')
+    (bin_dir / "aws").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    run = [str(REPO / ".venv/bin/python"), "-m", "stacks.teardown", "unprotect-accounting"]
+    none = subprocess.run(run, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert none.returncode == 0 and "no protected accounting database" in none.stdout and not calls.exists()
+    db = subprocess.run([*run, "-c", "slurmAccounting=true", "-c", "deploymentGeneration=2"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+    assert db.returncode == 0, db.stderr
+    assert calls.read_text() == ("rds modify-db-cluster --db-cluster-identifier sana-g2-slurm-accounting "
+                                 "--no-deletion-protection --apply-immediately\n")
+    (bin_dir / "aws").write_text('#!/bin/sh\necho "An error occurred (AccessDenied) when calling ModifyDBCluster" >&2\n'
+                                 "exit 254\n")
+    denied = subprocess.run([*run, "-c", "slurmAccounting=true"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert denied.returncode == 1
+    assert denied.stderr == ("error: turning off the accounting database's deletion protection failed: An error "
+                             "occurred (AccessDenied) when calling ModifyDBCluster; the storage stack cannot be "
+                             "deleted while it is on\n")
