@@ -189,9 +189,12 @@ fi
 
 if is_ready && [[ $(readlink "$link" 2>/dev/null) == "$(basename "$target")" ]]; then
   log "env $link -> $(basename "$target") is already built and ready"
-elif [[ -L $link && -f $link/.sana-env-ready ]] && check_imports "$link"; then
-  # Another node's build of the served package (this node's base Python differs, say): the link
-  # is the cluster's, and only a rollout moves it.
+elif [[ -L $link && -f $link/.sana-env-ready ]]; then
+  # The cluster's env (another node built it; this node's key differs, e.g. by its base Python):
+  # only a rollout moves the link, and a node that cannot use it must not move it under the
+  # others' jobs.
+  check_imports "$link" \
+    || die "env $link -> $(readlink "$link") is the cluster's (ready) but cannot import ${imports[*]} on this node: $import_error; its base Python is not the one the env was built with: replace the node with the cluster's AMI, or roll out a package (the rollout rebuilds the envs)"
   log "env $link -> $(readlink "$link") stays: ready and imports ${imports[*]} here; only a rollout moves it"
 else
   build_once

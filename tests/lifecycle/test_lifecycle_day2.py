@@ -14,7 +14,8 @@ import re
 import subprocess
 
 import pytest
-from lifecycle_cluster import ADMIN_GROUP, ADMINS, GROUP, USERS, Cluster
+from lifecycle_cluster import ADMIN_GROUP, ADMINS, GROUP, USERS, Cluster, make_bundle
+from test_lifecycle_on_init_complete import failure
 from test_lifecycle_rollout import rollout, upload_new
 
 NODES = ("controller-1", "login-1", "gpu-1", "trn-1")
@@ -158,3 +159,36 @@ def test_a_replaced_node_installs_its_package_beside_current_and_moves_nothing(m
     assert rollout(c, "gpu-2", new)[1] == "PENDING"
     assert rollout(c, "trn-1", new)[1] == "ROLLED OUT"
     assert os.readlink(c.fsx / "platform/current") == new and os.readlink(envs / "gpu") != links[envs / "gpu"]
+
+
+def test_a_node_whose_env_key_differs_uses_the_clusters_env_or_fails_leaving_it(make_cluster, wheels):
+    """gpu-2 boots from a newer upload whose settings change what its env key hashes (here the
+    pip index): it uses the cluster's ready env when that runs there, never moves the link, and
+    fails in env-gpu naming why when it does not (as on an AMI without the env's interpreter)."""
+    c = make_cluster(package_hash="pkg0001")
+    assert c.run("gpu-1").returncode == 0
+    link = c.fsx / "envs/gpu"
+    before = os.readlink(link)
+    c.bundle = make_bundle(c.base / "bundle-pkg0002", wheels, package_hash="pkg0002",
+                           edit_settings=lambda d: d.__setitem__("neuron_pip_index", "https://pip.example/simple"))
+    result = c.run("gpu-2")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"env {c.root('gpu-2')}/fsx/envs/gpu -> {before} stays: ready and imports torch here; only a rollout " \
+        "moves it" in result.stdout
+    assert os.readlink(link) == before and "building env" not in c.log("gpu-2")
+
+    python = link / "bin/python"
+    real = python.resolve()
+    python.unlink()
+    python.symlink_to("/nonexistent/python3.11")  # the interpreter a node of another AMI lacks
+    try:
+        step, cause = failure(c.run("gpu-2"))  # provisioned again
+    finally:
+        python.unlink()
+        python.symlink_to(real)
+    assert step == "env-gpu", cause
+    assert cause.startswith(f"env {c.root('gpu-2')}/fsx/envs/gpu -> {before} is the cluster's (ready) but cannot "
+                            "import torch on this node: "), cause
+    assert cause.endswith("replace the node with the cluster's AMI, or roll out a package (the rollout rebuilds "
+                          "the envs)")
+    assert os.readlink(link) == before and "building env" not in c.log("gpu-2")
