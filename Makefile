@@ -4,22 +4,40 @@ SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 .DEFAULT_GOAL := help
 
-VENV     := .venv
+VENV     ?= .venv
 PY       := $(VENV)/bin/python
 XLA_VENV := .venv-xla
 XLA_PY   := $(XLA_VENV)/bin/python
 MLFLOW_VENV := .venv-mlflow
-STAMPS   := .stamps
+STAMPS   ?= .stamps
 CDK      := npx --no-install cdk
+# The app runs in $(VENV) whatever cdk.json's "app" says (that is the plain `npx cdk` path).
+CDK_APP  := --app "$(PY) app.py"
+CDK_OUT  ?= cdk.out
+# Context overrides for every target below, e.g. CONTEXT="-c gpuInstanceCount=2" (cdk.json is the
+# place for lasting values); other CDK CLI options, e.g. CDK_ARGS=--force.
+CONTEXT  ?=
+CDK_ARGS ?=
+PROJECT  ?= $(shell python3 -c 'import json; print(json.load(open("cdk.json"))["context"]["projectName"])')
 
-.PHONY: help setup setup-xla setup-mlflow synth audit demo test test-platform test-xla lint clean image push-image serve-smoke wheelhouse
+.PHONY: help setup setup-deploy setup-xla setup-mlflow synth audit deploy teardown teardown-all demo test test-platform test-xla lint clean image push-image serve-smoke wheelhouse
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
-setup: $(STAMPS)/venv $(STAMPS)/npm $(STAMPS)/system ## install everything (Python venv, CDK CLI, Slurm/munge/shellcheck)
+# The deploy path needs Python 3.11+, Node and npm only: any OS, no sudo, no GPU stack.
+setup-deploy: $(STAMPS)/venv-deploy $(STAMPS)/npm ## install what synth/audit/deploy need: the CDK app's packages (requirements-deploy.txt) + the CDK CLI
 
-$(STAMPS)/venv: requirements.txt training/requirements-gpu.txt
+setup: $(STAMPS)/venv $(STAMPS)/npm $(STAMPS)/system ## install everything for the tests and the demo (training stack, Slurm, MariaDB, podman... on Debian/Ubuntu)
+
+$(STAMPS)/venv-deploy: requirements-deploy.txt
+	@mkdir -p $(STAMPS)
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-deploy.txt
+	@touch $@
+
+$(STAMPS)/venv: requirements.txt requirements-deploy.txt training/requirements-gpu.txt
 	@mkdir -p $(STAMPS)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -56,20 +74,36 @@ $(STAMPS)/venv-mlflow: requirements-mlflow-server.txt
 	$(MLFLOW_VENV)/bin/python -m pip install --quiet -r requirements-mlflow-server.txt
 	@touch $@
 
-synth: setup ## cdk synth through the real CLI into cdk.out/ (offline, no credentials)
-	$(CDK) synth --quiet --output cdk.out
+synth: setup-deploy ## cdk synth through the real CLI into cdk.out/ (offline, no credentials)
+	$(CDK) synth --quiet $(CDK_APP) --output $(CDK_OUT) $(CONTEXT)
 
 # privateNetwork=true: the nodes install their envs from these (stacks/wheelhouse.py, runbooks/deploy.md
 # "Private network"); needs PyPI and Neuron's pip repository here. KINDS=gpu|neuron limits it.
 KINDS ?= gpu neuron
-wheelhouse: $(STAMPS)/venv ## resolve the node envs' pins for the nodes (CPython 3.11, manylinux x86_64) into build/wheelhouse/, cached by their hash
+wheelhouse: $(STAMPS)/venv-deploy ## resolve the node envs' pins for the nodes (CPython 3.11, manylinux x86_64) into build/wheelhouse/, cached by their hash
 	$(PY) -m stacks.wheelhouse build $(KINDS)
 
 audit: synth ## print cdk-nag (AWS Solutions + HIPAA) and cfn-lint findings; fail on any open one
-	$(PY) -m stacks.audit cdk.out
+	$(PY) -m stacks.audit $(CDK_OUT)
+
+# Deploys exactly the assembly the audit passed (runbooks/deploy.md).
+deploy: audit ## audit, then cdk deploy --all of that assembly (needs AWS credentials)
+	$(CDK) deploy --all --app $(CDK_OUT) --require-approval broadening $(CDK_ARGS)
+
+# runbooks/teardown.md: what each step removes, keeps and what the kept part costs.
+teardown: setup-deploy ## stop the compute bill: destroy the serving and cluster stacks; data, FSx and network stay
+	@if $(CDK) list $(CDK_APP) $(CONTEXT) 2>/dev/null | grep -qx '$(PROJECT)-serving'; then \
+	  $(CDK) destroy $(CDK_APP) $(CONTEXT) $(PROJECT)-serving $(CDK_ARGS); fi
+	$(CDK) destroy $(CDK_APP) $(CONTEXT) $(PROJECT)-cluster $(CDK_ARGS)
+	$(PY) -m stacks.cost kept --after teardown $(CONTEXT)
+
+teardown-all: teardown ## then the storage and network stacks; lists what dataRemovalPolicy=retain keeps and its monthly cost
+	$(PY) -m stacks.teardown unprotect-accounting $(CONTEXT)
+	$(CDK) destroy $(CDK_APP) $(CONTEXT) $(PROJECT)-storage $(PROJECT)-network $(CDK_ARGS)
+	$(PY) -m stacks.cost kept --after teardown-all $(CONTEXT)
 
 # setup-xla: the demo's comparison benches the Trainium backend on torch-xla's CPU device.
-demo: audit setup-xla ## the main job locally: audit, then precompute + train + resume + export + bench + report on CPU
+demo: setup audit setup-xla ## the main job locally: audit, then precompute + train + resume + export + bench + report on CPU
 	$(PY) -m training.demo --out demo-output
 
 test: test-platform test-xla ## the whole test suite (what CI runs)
@@ -96,11 +130,11 @@ serve-smoke: ## on an inf2/trn host: compile a tiny Sana for Neuron, serve and t
 # Dockerfile's base; EFA=1 reinstalls EFA over the GPU base's (default: the DLC's matched stack, kept); the builder is detected (docker with
 # a daemon, podman, buildah) or SANA_IMAGE_BUILDER. Tag: <package hash>-<recipe hash>.
 IMAGE ?= gpu
-image: $(STAMPS)/venv ## build the training image (IMAGE=gpu|neuron, BASE=..., EFA=1) with docker/podman/buildah
+image: $(STAMPS)/venv-deploy ## build the training image (IMAGE=gpu|neuron, BASE=..., EFA=1) with docker/podman/buildah
 	$(PY) -m containers.image build $(IMAGE) $(if $(BASE),--base $(BASE)) $(if $(filter 1,$(EFA)),--efa)
 
-push-image: $(STAMPS)/venv ## push the built image to its ECR repository (REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com)
-	@test -n "$(REGISTRY)" || { echo "make push-image: set REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com (cluster stack output GpuImageRepositoryUri without the path)" >&2; exit 2; }
+push-image: $(STAMPS)/venv-deploy ## push the built image to its ECR repository (REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com)
+	@test -n "$(REGISTRY)" || { echo "make push-image: set REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com (storage stack output GpuImageRepositoryUri without the path)" >&2; exit 2; }
 	$(PY) -m containers.image push $(IMAGE) --registry $(REGISTRY) $(if $(BASE),--base $(BASE)) $(if $(filter 1,$(EFA)),--efa)
 
 clean: ## remove build outputs (keeps the virtual envs)

@@ -5,7 +5,7 @@
     python -m containers.image push  gpu|neuron --registry ACCOUNT.dkr.ecr.REGION.amazonaws.com
 
 Why a helper and not a bare ``docker build``: the build context is staged with exactly the files
-stacks/cluster.py ``package_hash`` covers (so the ``sana.package-hash`` label names the package
+stacks/cluster.py ``package_hash`` covers (so the ``sana.package-hash`` label, deployment_hash, names the package
 the lifecycle installs under the same hash on FSx), the labels are computed here once, and the
 builder is detected (docker, podman or buildah: the laptop, the login node and CI differ).
 
@@ -139,12 +139,10 @@ class ImageMeta:
 
 
 def image_meta(spec: ImageSpec, options: BuildOptions) -> ImageMeta:
-    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_hash
-
     recipe = hashlib.sha256(spec.dockerfile.read_bytes())
     for key, value in sorted(options.build_args().items()):
         recipe.update(f"\0{key}={value}".encode())
-    return ImageMeta(spec=spec, package_hash=package_hash(LIFECYCLE_DIR, TRAINING_DIR),
+    return ImageMeta(spec=spec, package_hash=deployment_hash(),
                      requirements_hash=sha256_file(spec.requirements)[:16], git_revision=git_revision(),
                      recipe_hash=recipe.hexdigest()[:8])
 
@@ -252,6 +250,26 @@ def build(kind: str, options: BuildOptions, *, builder: str | None = None, pip: 
     return meta
 
 
+def _cdk_json_config():
+    from stacks.config import PlatformConfig
+
+    return PlatformConfig.from_context(json.loads((REPO / "cdk.json").read_text())["context"])
+
+
+def deployment_hash() -> str:
+    """The hash the stack uploads this checkout's package under with cdk.json's settings
+    (stacks/cluster.py deployment_package_hash: the code and the node settings), i.e. the name
+    of /fsx/platform/<hash> on a cluster deployed from this checkout."""
+    from stacks.cluster import deployment_package_hash
+
+    return deployment_package_hash(_cdk_json_config())
+
+
+def _repository_prefix() -> str:
+    """PlatformConfig.retained_prefix of cdk.json's context: the first part of the repositories' names."""
+    return _cdk_json_config().retained_prefix
+
+
 def push(kind: str, registry: str, options: BuildOptions, *, builder: str | None = None) -> str:
     """Tag the local image for ``registry/<project>/<name>:<tag>`` and push it (after ECR login)."""
     spec = spec_of(kind)
@@ -259,9 +277,10 @@ def push(kind: str, registry: str, options: BuildOptions, *, builder: str | None
         raise ImageError(f"--registry {registry}: not an ECR registry; use ACCOUNT.dkr.ecr.REGION.amazonaws.com")
     tool = detect_builder(builder)
     meta = image_meta(spec, options)
-    # The repository is <projectName>/sana-<kind> (stacks/images.py), projectName from cdk.json.
-    project = os.environ.get("SANA_PROJECT") or json.loads((REPO / "cdk.json").read_text())["context"]["projectName"]
-    remote = f"{registry}/{project}/{spec.name}:{meta.tag}"
+    # The repository is <projectName>/sana-<kind> (stacks/images.py), from cdk.json (with -g<N> from
+    # deploymentGeneration 2 on: PlatformConfig.retained_prefix).
+    prefix = os.environ.get("SANA_PROJECT") or _repository_prefix()
+    remote = f"{registry}/{prefix}/{spec.name}:{meta.tag}"
     region = registry.split(".dkr.ecr.")[1].removesuffix(".amazonaws.com")
     password = subprocess.run(["aws", "ecr", "get-login-password", "--region", region], capture_output=True,
                               text=True)

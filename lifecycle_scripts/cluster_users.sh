@@ -10,6 +10,16 @@
 # Slurm needs nothing more: without accounting, slurmctld authorizes a job by the UID munge
 # carries, which is the same on every node because it is fixed here.
 #
+# Admins (cluster_admins / admin_group, cdk context clusterAdmins / clusterAdminGroup): the admin
+# group with its fixed GID, whose members are exactly the admins (gpasswd -M: one removed from
+# clusterAdmins leaves the group, and sudo, at the next run), and /etc/sudoers.d/sana-platform-admins:
+# "%<group> ALL=(ALL:ALL) NOPASSWD: ALL" (sudoers(5): a "%" prefix names a group; NOPASSWD because
+# cluster accounts have no password: people log in through Session Manager as themselves). Every
+# sudo is logged with the user's name: sudo's syslog lines (auth.log, journal) and the logfile
+# below, besides CloudTrail's StartSession of the IAM principal (runbooks/users.md). The file is
+# checked with `visudo -c -f` before it is renamed into place: a broken sudoers.d file would stop
+# sudo for everyone on the node.
+#
 # Modelled on HyperPod's add-users extension for OnInitComplete (awslabs/awsome-distributed-ai,
 # 1.architectures/5.sagemaker-hyperpod/Extensions/add-users/: create_posix_users.sh runs on
 # all nodes "so UIDs are consistent cluster-wide"; setup_ssh_keys.sh: "First node to run
@@ -26,7 +36,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 step_init
 require_vars FSX NODE_NAME CFG_CLUSTER_NAME CFG_CLUSTER_GROUP CFG_CLUSTER_GID CFG_CLUSTER_USERS \
-  CFG_HOME_ROOT HOME_ROOT_DIR
+  CFG_HOME_ROOT HOME_ROOT_DIR CFG_ADMIN_GROUP CFG_ADMIN_GID
 
 passwd_file="${PLATFORM_ROOT}/etc/passwd"
 group_file="${PLATFORM_ROOT}/etc/group"
@@ -49,15 +59,16 @@ run_tool() {
   out=$("$@" 2>&1) || die "$1 failed for ${*: -1}: $(printf '%s' "$out" | tail -n 1)"
 }
 
+# ensure_group NAME GID SETTING CONTEXT_KEY: the group with its fixed GID, or one line on a conflict.
 ensure_group() {
-  local name=$CFG_CLUSTER_GROUP gid=$CFG_CLUSTER_GID have_gid have_name
+  local name=$1 gid=$2 setting=$3 key=$4 have_gid have_name
   have_gid=$(field "$group_file" 1 "$name" 3)
   have_name=$(field "$group_file" 3 "$gid" 1)
   if [[ -n $have_gid && $have_gid != "$gid" ]]; then
-    die "group '$name' exists on this node with GID $have_gid, but cluster_group gives $gid; change clusterGroup (cdk context) to a name and GID free on the AMI, and redeploy"
+    die "group '$name' exists on this node with GID $have_gid, but $setting gives $gid; change $key (cdk context) to a name and GID free on the AMI, and redeploy"
   fi
   if [[ -n $have_name && $have_name != "$name" ]]; then
-    die "GID $gid of cluster group '$name' is already used by group '$have_name' on this node; pick another GID in clusterGroup (cdk context) and redeploy"
+    die "GID $gid of ${setting//_/ } '$name' is already used by group '$have_name' on this node; pick another GID in $key (cdk context) and redeploy"
   fi
   if [[ -n $have_gid ]]; then
     log "group $name ($gid) already exists"
@@ -123,7 +134,41 @@ ensure_home() {
   exec 8>&-
 }
 
-ensure_group
+# ensure_admins: the admin group's members are exactly the admins, and its sudoers entry.
+ensure_admins() {
+  local members sudoers_dir="${PLATFORM_ROOT}/etc/sudoers.d" file tmp out
+  members=$(tr ' ' '\n' <<<"${CFG_CLUSTER_ADMINS:-}" | cut -d: -f1 | paste -sd, -)
+  # gpasswd --root chroots (like usermod above) so it finds the members in that root's passwd.
+  local gpasswd_root=()
+  if [[ -n $PLATFORM_ROOT ]]; then gpasswd_root=(--root "$PLATFORM_ROOT"); fi
+  run_tool gpasswd "${gpasswd_root[@]}" --members "$members" "$CFG_ADMIN_GROUP"
+  log "admin group $CFG_ADMIN_GROUP ($CFG_ADMIN_GID) members: ${members:-none}"
+  file="$sudoers_dir/sana-platform-admins"
+  mkdir -p "$sudoers_dir"
+  tmp=$(mktemp "$sudoers_dir/.sana-platform-admins.XXXXXX")
+  cat >"$tmp" <<SUDOERS
+# Written by the Sana platform lifecycle (lifecycle_scripts/cluster_users.sh) from the cdk context
+# clusterAdminGroup ($CFG_ADMIN_GROUP) and clusterAdmins (its members): they may run any command as
+# root. Every command is logged with the user's name (syslog, and the log file below).
+Defaults:%$CFG_ADMIN_GROUP logfile=/var/log/sana-admin-sudo.log
+%$CFG_ADMIN_GROUP ALL=(ALL:ALL) NOPASSWD: ALL
+SUDOERS
+  chmod 0440 "$tmp"
+  if has_visudo; then
+    out=$(visudo -c -f "$tmp" 2>&1) || { rm -f "$tmp"; die "visudo rejects the admin sudoers entry: $(printf '%s' "$out" | tail -n 1)"; }
+  else
+    log "WARNING: visudo is not installed (no sudo on this node): $file is written but not checked"
+  fi
+  mv -f "$tmp" "$file"
+  log "sudoers entry $file: members of $CFG_ADMIN_GROUP may sudo"
+}
+
+has_visudo() {
+  PATH="$PATH:/usr/sbin:/sbin" command -v visudo >/dev/null 2>&1
+}
+
+ensure_group "$CFG_CLUSTER_GROUP" "$CFG_CLUSTER_GID" cluster_group clusterGroup
+ensure_group "$CFG_ADMIN_GROUP" "$CFG_ADMIN_GID" admin_group clusterAdminGroup
 read -r -a specs <<<"$CFG_CLUSTER_USERS"
 for spec in "${specs[@]}"; do
   ensure_account "${spec%%:*}" "${spec##*:}"
@@ -131,4 +176,5 @@ done
 for spec in "${specs[@]}"; do
   ensure_home "${spec%%:*}" "${spec##*:}"
 done
+ensure_admins
 log "cluster users ready: ${specs[*]} (group $CFG_CLUSTER_GROUP $CFG_CLUSTER_GID, homes under $CFG_HOME_ROOT)"

@@ -2,9 +2,14 @@
 # Step "package": install the training package the stack bundled next to these scripts
 # (./training/) at $FSX/platform/<package_hash>/training, these lifecycle scripts with their
 # platform-settings.json at $FSX/platform/<package_hash>/lifecycle (rollout.sh and
-# training/slurm/rollout.sbatch run them from there), and point $FSX/platform/current at it. Each version is copied to a temp dir and renamed into place, so a directory named
-# by a hash is always complete; the `current` link is swapped atomically, so a job that
-# starts meanwhile sees the old or the new package, never a mix.
+# training/slurm/rollout.sbatch run them from there). Each version is copied to a temp dir and
+# renamed into place, so a directory named by a hash is always complete.
+#
+# $FSX/platform/current is pointed at it only when the cluster has no current package yet (its
+# first boot). Afterwards only a rollout moves it (rollout.sh, runbooks/rollout.md): a node
+# HyperPod creates after a `cdk deploy` (a replacement, a scale-up) boots with the newest
+# prefix, installs it beside the others and serves the package every other node serves, so one
+# replaced node never switches the jobs of the whole cluster to code nobody rolled out.
 set -euo pipefail
 # shellcheck source=SCRIPTDIR/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -41,5 +46,16 @@ else
   fi
 fi
 
-point_link "$platform_dir/current" "$CFG_PACKAGE_HASH"
-log "$platform_dir/current -> $CFG_PACKAGE_HASH"
+current="$platform_dir/current"
+if [[ -L $current && -e $current ]]; then
+  serving=$(readlink "$current")
+  if [[ $serving == "$CFG_PACKAGE_HASH" ]]; then
+    log "$current -> $serving (this node's package)"
+  else
+    log "$current -> $serving stays: only a rollout moves it (runbooks/rollout.md); this node's package $CFG_PACKAGE_HASH waits beside it"
+  fi
+else
+  # The cluster's first package (or a link left pointing at a removed directory).
+  point_link "$current" "$CFG_PACKAGE_HASH"
+  log "$current -> $CFG_PACKAGE_HASH (the cluster had no current package)"
+fi

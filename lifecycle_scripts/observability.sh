@@ -175,7 +175,7 @@ slurm_exporter() {
 collector() {
   local arch config=${PLATFORM_ROOT}/etc/sana-observability/collector.yml out
   if [[ -z ${CFG_REMOTE_WRITE_URL:-} ]]; then
-    warn "collector: platform-settings.json names no workspace (observability.remote_write_url); nothing leaves the cluster"
+    warn "collector: platform-settings.json names no workspace (remote_write_url); nothing leaves the cluster"
     return 1
   fi
   arch=$(dpkg --print-architecture)

@@ -39,8 +39,9 @@
 # associations (controller), checks pyxis (container nodes) and writes the READY line.
 #
 # Steps (one small script per concern; see runbooks/node-boot.md):
-#   all roles   settings -> identity -> imds -> fsx -> dirs -> users -> package -> profile -> ... -> ready
-#               (imds: only root and system services reach the instance metadata service)
+#   all roles   settings -> identity -> imds -> fsx -> dirs -> users -> package -> sync -> profile -> ... -> ready
+#               (imds: only root and system services reach the instance metadata service;
+#               sync: sana-settings.timer applies the users of each rolled-out package here)
 #   gpu         ... -> env-gpu (build /fsx/envs/gpu once per cluster) -> containers -> ready
 #   trn         ... -> env-neuron (build /fsx/envs/neuron once per cluster) -> containers -> ready
 #   login       ... -> env-gpu (only the base Python the GPU env links to) -> containers -> ready
@@ -171,6 +172,7 @@ main() {
   run_step dirs shared_dirs.sh
   run_step users cluster_users.sh
   run_step package install_package.sh
+  run_step sync settings_timer.sh
   run_step profile node_profile.sh
   case $NODE_ROLE in
     gpu) run_step env-gpu python_env.sh gpu build ;;

@@ -6,17 +6,27 @@ rollout.sh recomputes it on the node over what it fetched, so a prefix whose con
 what its name says is refused before root installs anything from it.
 
     python3 package_hash.py LIFECYCLE_DIR TRAINING_DIR   -> prints the hash
+    (LIFECYCLE_DIR/platform-settings.json, when present, is hashed as the node settings)
 
 The hash: 16 hex digits of SHA-256 over, for each tree in order (lifecycle_scripts, then
 training), every uploaded file's "<tree name>/<relative path>\\0" followed by the SHA-256 of
-its bytes, files in sorted path order. Uploaded = not under a name matching EXCLUDED_NAMES
-(the BucketDeployment's exclude globs are the same list).
+its bytes, files in sorted path order, then (for a deployment's package) the node settings.
+Uploaded = not under a name matching EXCLUDED_NAMES (the BucketDeployment's exclude globs are
+the same list).
+
+The node settings (platform-settings.json: users, admins, groups, envs...) are part of what a
+node installs, so a change of them alone is a new hash, a new prefix and a rollout like any
+code change (runbooks/rollout.md). Hashed: the canonical JSON of every key except
+ENVIRONMENT_KEYS, the values of the account and region the stacks are deployed to (CDK tokens
+at synth, resolved only in S3) and the hash itself. Without settings (``settings=None``) the
+hash covers the code alone: what containers/image.py labels an image with.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,8 +35,13 @@ from pathlib import Path
 EXCLUDED_NAMES = ("__pycache__", "tests", ".*", "*.pyc")
 #: Tree names as the hash sees them (the repository's directory names).
 TREE_NAMES = ("lifecycle_scripts", "training")
-#: Written by the stack next to the scripts, not part of the hashed tree (it holds the hash).
+#: Written by the stack next to the scripts, not part of the hashed tree (it holds the hash);
+#: its content, less ENVIRONMENT_KEYS, is hashed as the node settings.
 SETTINGS_FILE = "platform-settings.json"
+#: Settings keys the hash leaves out: the hash itself, and what only the deployment's account
+#: and region decide (unresolved tokens when the stack computes the hash).
+ENVIRONMENT_KEYS = ("package_hash", "region", "data_bucket", "artefacts_bucket", "lifecycle_bucket",
+                    "image_registry", "remote_write_url")
 
 
 def excluded(rel: Path) -> bool:
@@ -58,17 +73,39 @@ def tree_digest(trees: list[tuple[str, Path]], *, skip: tuple[str, ...] = ()) ->
     return digest.hexdigest()[:16]
 
 
-def package_hash(lifecycle_dir: Path, training_dir: Path) -> str:
-    """The hash of a repository checkout (what `cdk deploy` uploads) or of a fetched package."""
-    return tree_digest([(TREE_NAMES[0], lifecycle_dir), (TREE_NAMES[1], training_dir)],
-                       skip=(f"{TREE_NAMES[0]}/{SETTINGS_FILE}",))
+def hashed_settings(settings: dict) -> bytes:
+    """The part of the node settings the hash covers, as canonical JSON bytes."""
+    kept = {key: value for key, value in settings.items() if key not in ENVIRONMENT_KEYS}
+    return json.dumps(kept, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def package_hash(lifecycle_dir: Path, training_dir: Path, settings: dict | None = None) -> str:
+    """The hash of a deployment's package (the code and ``settings``, what `cdk deploy` uploads)
+    or, with ``settings=None``, of the code alone."""
+    trees = [(TREE_NAMES[0], lifecycle_dir), (TREE_NAMES[1], training_dir)]
+    code = tree_digest(trees, skip=(f"{TREE_NAMES[0]}/{SETTINGS_FILE}",))
+    if settings is None:
+        return code
+    return hashlib.sha256(f"{code}\0settings\0".encode() + hashed_settings(settings)).hexdigest()[:16]
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: package_hash.py LIFECYCLE_DIR TRAINING_DIR", file=sys.stderr)
         return 2
-    print(package_hash(Path(argv[0]), Path(argv[1])))
+    lifecycle_dir = Path(argv[0])
+    settings_file = lifecycle_dir / SETTINGS_FILE
+    settings = None
+    if settings_file.is_file():
+        try:
+            settings = json.loads(settings_file.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            print(f"{settings_file}: not valid JSON ({exc})", file=sys.stderr)
+            return 1
+        if not isinstance(settings, dict):
+            print(f"{settings_file}: top level is not an object", file=sys.stderr)
+            return 1
+    print(package_hash(lifecycle_dir, Path(argv[1]), settings))
     return 0
 
 

@@ -52,18 +52,25 @@ esac
 
 mode=${2:-build}
 [[ $mode =~ ^(build|use|prepare)$ ]] || die "usage: python_env.sh gpu|neuron [build|use|prepare] (got '$mode')"
-requirements="$FSX/platform/$CFG_PACKAGE_HASH/training/requirements-$kind.txt"
+# build/use: the env of the package the cluster serves (platform/current, which only a rollout
+# moves), not this node's own: a node booted from a newer prefix must not bring its requirements
+# in. prepare: the package being rolled out (rollout.sh sets CFG_PACKAGE_HASH).
+package=$CFG_PACKAGE_HASH
+if [[ $mode != prepare ]]; then
+  package=$(readlink "$FSX/platform/current") || die "no $FSX/platform/current; the package step sets it"
+fi
+requirements="$FSX/platform/$package/training/requirements-$kind.txt"
 lock_timeout=${LIFECYCLE_ENV_LOCK_TIMEOUT_S:-3600}
 # The training pins need Python >= 3.11 (numpy 2.4, diffusers 0.42 and transformers 5.2x
 # publish nothing for 3.10, the python3 of Ubuntu 22.04 AMIs). The oldest that works is tried
 # first: Neuron's compiler/runtime wheels follow new Python releases late.
 min_python=${LIFECYCLE_MIN_PYTHON:-3.11}
-[[ -r $requirements ]] || die "no $requirements in package $CFG_PACKAGE_HASH; the training package must ship it"
+[[ -r $requirements ]] || die "no $requirements in package $package; the training package must ship it"
 private=${CFG_PRIVATE_NETWORK:-false}
 if [[ $private == true ]]; then
   # shellcheck source=SCRIPTDIR/wheelhouse.sh
   source "$(dirname "${BASH_SOURCE[0]}")/wheelhouse.sh"
-  wheelhouse_settings "$kind"
+  wheelhouse_settings "$kind" "$package"
   # The wheels are for that Python only (cp311 ABI tags): no other interpreter will do.
   min_python=$wheelhouse_python
 fi
@@ -205,6 +212,13 @@ fi
 
 if is_ready && [[ $(readlink "$link" 2>/dev/null) == "$(basename "$target")" ]]; then
   log "env $link -> $(basename "$target") is already built and ready"
+elif [[ -L $link && -f $link/.sana-env-ready ]]; then
+  # The cluster's env (another node built it; this node's key differs, e.g. by its base Python):
+  # only a rollout moves the link, and a node that cannot use it must not move it under the
+  # others' jobs.
+  check_imports "$link" \
+    || die "env $link -> $(readlink "$link") is the cluster's (ready) but cannot import ${imports[*]} on this node: $import_error; its base Python is not the one the env was built with: replace the node with the cluster's AMI, or roll out a package (the rollout rebuilds the envs)"
+  log "env $link -> $(readlink "$link") stays: ready and imports ${imports[*]} here; only a rollout moves it"
 else
   build_once
   point_link "$link" "$(basename "$target")"

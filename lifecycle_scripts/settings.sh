@@ -106,6 +106,26 @@ for i, user in enumerate(users):
     seen_names.add(name)
     seen_uids.add(uid)
     user_specs.append(f"{name}:{uid}")
+# Admins (cdk context clusterAdmins / clusterAdminGroup): cluster users who may sudo, as members
+# of a group of their own (cluster_users.sh writes its sudoers entry).
+admin_group = get("admin_group", dict)
+admin_group_name = posix_name("admin_group.name", admin_group.get("name"))
+admin_gid = posix_id("admin_group.gid", admin_group.get("gid"))
+if admin_gid == group_gid or admin_group_name == group_name:
+    fail("key 'admin_group' must differ from cluster_group in name and gid")
+if admin_gid in seen_uids or admin_group_name in seen_names:
+    fail(f"key 'admin_group' ({admin_group_name}:{admin_gid}) has a cluster user's name or uid")
+admins = s.get("cluster_admins")
+if not isinstance(admins, list):
+    fail(f"key 'cluster_admins' must be a list of cluster_users names, got {admins!r}")
+uid_of = dict(spec.split(":") for spec in user_specs)
+admin_specs = []
+for i, name in enumerate(admins):
+    if not isinstance(name, str) or name not in uid_of:
+        fail(f"cluster_admins[{i}] = {name!r} is not a cluster_users name")
+    if f"{name}:{uid_of[name]}" in admin_specs:
+        fail(f"cluster_admins[{i}]: '{name}' appears twice")
+    admin_specs.append(f"{name}:{uid_of[name]}")
 home_root = abspath("home_root", get("home_root"))
 if not home_root.startswith(fsx_mount.rstrip("/") + "/"):
     # Homes must be shared: the per-user SSH key pair is generated once, on FSx.
@@ -146,14 +166,15 @@ unknown = set(wheelhouses) - {"gpu", "neuron"}
 if unknown:
     fail(f"wheelhouses has unknown env kinds {sorted(unknown)}; the node envs are gpu and neuron")
 
-# Optional (older settings files have none): the observability step's switch and the workspace
-# its collector remote-writes to (stacks/observability.py).
+# Optional (older settings files have none): the observability step's switch (a node setting) and
+# the workspace its collector remote-writes to (stacks/observability.py; a deploy-time value, so
+# top-level and outside the package hash: lifecycle_scripts/package_hash.py ENVIRONMENT_KEYS).
 observability = s.get("observability", {})
 if not isinstance(observability, dict) or not isinstance(observability.get("enabled", False), bool):
-    fail(f"key 'observability' must be {{enabled: true|false, remote_write_url: ...}}, got {observability!r}")
-remote_write = observability.get("remote_write_url", "")
+    fail(f"key 'observability' must be {{enabled: true|false}}, got {observability!r}")
+remote_write = s.get("remote_write_url", "")
 if not isinstance(remote_write, str) or (remote_write and not re.fullmatch(r"https://[^\s'\"]+", remote_write)):
-    fail(f"key 'observability.remote_write_url' must be empty or an https URL, got {remote_write!r}")
+    fail(f"key 'remote_write_url' must be empty or an https URL, got {remote_write!r}")
 
 values = {
     "CFG_PROJECT": get("project"),
@@ -170,6 +191,9 @@ values = {
     "CFG_CLUSTER_GROUP": group_name,
     "CFG_CLUSTER_GID": str(group_gid),
     "CFG_CLUSTER_USERS": " ".join(user_specs),
+    "CFG_CLUSTER_ADMINS": " ".join(admin_specs),
+    "CFG_ADMIN_GROUP": admin_group_name,
+    "CFG_ADMIN_GID": str(admin_gid),
     "CFG_HOME_ROOT": home_root,
     "CFG_SLURM_ACCOUNTING": "true" if accounting else "false",
     "CFG_CONTAINER_RUNTIME": "true" if container_runtime else "false",
@@ -196,6 +220,7 @@ printf '%s\n' "$result" | write_atomically "$out" 0644
 source "$out"
 log "project=$CFG_PROJECT cluster=$CFG_CLUSTER_NAME package=$CFG_PACKAGE_HASH fsx=$CFG_FSX_MOUNT"
 log "cluster group $CFG_CLUSTER_GROUP ($CFG_CLUSTER_GID), users: $CFG_CLUSTER_USERS; homes under $CFG_HOME_ROOT"
+log "admin group $CFG_ADMIN_GROUP ($CFG_ADMIN_GID), admins (sudo): ${CFG_CLUSTER_ADMINS:-none}"
 if [[ $CFG_PRIVATE_NETWORK == true ]]; then
   log "private network: images only from $CFG_IMAGE_REGISTRY, envs from the wheelhouses under s3://$CFG_LIFECYCLE_BUCKET/wheelhouse/"
 fi

@@ -9,9 +9,14 @@
 #                         from renaming or deleting another user's entries.
 #   artefacts/            root:<group> 3775 likewise (the artefacts bucket's association:
 #                         what is written here is exported to S3).
-#   artefacts/checkpoints/<user>/, logs/<user>/, cache/inductor/<user>/, cache/neuron/<user>/
+#   models/               root:root 0755: model weights (DC-AE, Gemma-2, a pretrained Sana) that an
+#                         admin stages with sudo (runbooks/data.md, "Model weights"); every job reads
+#                         them, no user can swap them under another's job.
+#   artefacts/checkpoints/<user>/, logs/<user>/, cache/inductor/<user>/, cache/neuron/<user>/,
+#   runs/<user>/, exports/<user>/
 #                         <user>:<group> 0700: run directories, job logs (Slurm's --output
-#                         /fsx/logs/%u/...), compile caches. Their parents are root:root 0755
+#                         /fsx/logs/%u/...), compile caches, runs started by hand (--output-dir) and
+#                         exported models. Their parents are root:root 0755
 #                         (logs/ is 1755: root-owned, sticky), so no user can create, rename or
 #                         replace another user's directory, nor plant one before its owner.
 #   logs/provision/       root 0755: the node status files this lifecycle writes as root.
@@ -32,18 +37,18 @@ gid=$CFG_CLUSTER_GID
 safe_fs dir "$FSX" 0:0 0755 envs envs/.locks platform platform/.locks
 safe_fs dir "$FSX" "0:$gid" 3775 data artefacts
 safe_fs dir "$FSX" 0:0 1755 logs
-safe_fs dir "$FSX" 0:0 0755 logs/provision artefacts/checkpoints cache cache/inductor cache/neuron
+safe_fs dir "$FSX" 0:0 0755 logs/provision artefacts/checkpoints cache cache/inductor cache/neuron models runs exports
 safe_fs dir "$FSX" 0:0 0700 logs/root
 
 read -r -a specs <<<"$CFG_CLUSTER_USERS"
 for spec in "${specs[@]}"; do
   name=${spec%%:*} uid=${spec##*:}
   safe_fs userdir "$FSX" "$uid:$gid" 0700 "logs/$name" "artefacts/checkpoints/$name" \
-    "cache/inductor/$name" "cache/neuron/$name"
+    "cache/inductor/$name" "cache/neuron/$name" "runs/$name" "exports/$name"
 done
 
 # The home root may lie outside FSX's tree only in name (settings.sh keeps it under fsx_mount).
 safe_fs dir "$(dirname "$HOME_ROOT_DIR")" 0:0 0755 "$(basename "$HOME_ROOT_DIR")"
 safe_fs dir "$HOME_ROOT_DIR" 0:0 0700 .locks
-log "shared directories ready under $FSX: envs platform (0755) data artefacts (group $gid, 3775) logs (1755)" \
-  "cache; private logs, checkpoints and compile caches for ${#specs[@]} users"
+log "shared directories ready under $FSX: envs platform models (0755) data artefacts (group $gid, 3775) logs (1755)" \
+  "cache runs exports; private logs, checkpoints, compile caches, runs and exports for ${#specs[@]} users"

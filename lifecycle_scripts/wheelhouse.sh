@@ -8,12 +8,14 @@
 # the lock the deployed package names (wheelhouse.py check: ONE line naming every missing or altered
 # wheel), and installed with pip --no-index --require-hashes: exactly the locked files, nothing else.
 
-# wheelhouse_settings KIND: sets wheelhouse_prefix, wheelhouse_lock_sha256, wheelhouse_python from
-# the platform-settings.json of the package the env is for ($FSX/platform/<hash>/lifecycle/, what
-# install_package.sh or a rollout installed): a rollout of new requirements names its own wheelhouse.
+# wheelhouse_settings KIND [PACKAGE]: sets wheelhouse_prefix, wheelhouse_lock_sha256, wheelhouse_python
+# from the platform-settings.json of the package the env is for ($FSX/platform/<PACKAGE>/lifecycle/,
+# default this node's CFG_PACKAGE_HASH; python_env.sh passes the package `current` serves, or the one
+# being rolled out): a rollout of new requirements names its own wheelhouse.
 # shellcheck disable=SC2034 # wheelhouse_python is read by python_env.sh
 wheelhouse_settings() {
-  local kind=$1 settings="$FSX/platform/$CFG_PACKAGE_HASH/lifecycle/platform-settings.json" out
+  local kind=$1 package=${2:-$CFG_PACKAGE_HASH}
+  local settings="$FSX/platform/$package/lifecycle/platform-settings.json" out
   out=$(python3 - "$settings" "$kind" 2>&1 <<'PY'
 import json, re, sys
 

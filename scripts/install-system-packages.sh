@@ -9,20 +9,22 @@
 # test (tests/lifecycle/test_imds_block.py) installs the lifecycle's real iptables rules inside
 # network namespaces of its own (`ip netns`); systemd (the lifecycle tests enable the platform's
 # unit with the real `systemctl --root`), make and curl (the containers step builds and downloads
-# its stand-in release files over file://); Prometheus, its node exporter and Alertmanager
-# (tests/observability: a real Prometheus scrapes a training run and receives the collector's
-# remote writes, promtool tests the alert rules and dashboard queries, amtool the alert
-# manager configuration; tests/lifecycle reads the EFA/Lustre textfile through the node
-# exporter). Skips apt entirely when all are present.
+# its stand-in release files over file://); sudo, for its visudo (the lifecycle checks the admins'
+# sudoers entry with it, tests/lifecycle/test_lifecycle_users.py); Prometheus, its node exporter
+# and Alertmanager (tests/observability: a real Prometheus scrapes a training run and receives the
+# collector's remote writes, promtool tests the alert rules and dashboard queries, amtool the alert
+# manager configuration; tests/lifecycle reads the EFA/Lustre textfile through the node exporter).
+# These are test-only: `make synth/audit/deploy` need none of them. Skips apt entirely when all are
+# present.
 set -euo pipefail
 
 readonly PACKAGES=(slurm-wlm munge mariadb-server slurmdbd gcc make shellcheck mmdebstrap buildah podman squashfs-tools
-  iptables iproute2 systemd curl prometheus prometheus-node-exporter prometheus-alertmanager)
+  iptables iproute2 systemd curl sudo prometheus prometheus-node-exporter prometheus-alertmanager)
 
 all_present() {
   local tool
   for tool in slurmctld slurmd munged mariadbd mariadb-install-db slurmdbd sacct shellcheck cc \
-    mmdebstrap buildah podman mksquashfs unsquashfs iptables ip6tables iptables-restore ip make systemctl curl \
+    mmdebstrap buildah podman mksquashfs unsquashfs iptables ip6tables iptables-restore ip make systemctl curl visudo \
     prometheus promtool prometheus-node-exporter amtool; do
     command -v "$tool" >/dev/null || return 1
   done

@@ -110,6 +110,9 @@ class AccountingNetwork(Construct):
 @dataclass(kw_only=True, frozen=True)
 class AccountingDatabaseProps:
     project: str
+    name_prefix: str
+    """PlatformConfig.retained_prefix: the cluster identifier and secret name carry it (both are kept
+    or reserved after a destroy: the log groups, and a deleted secret's name for its recovery window)."""
     vpc: ec2.IVpc
     network: AccountingNetwork
     key: kms.IKey
@@ -117,9 +120,9 @@ class AccountingDatabaseProps:
     log_retention_days: int
 
 
-def cluster_identifier(project: str) -> str:
+def cluster_identifier(name_prefix: str) -> str:
     """Fixed, so the log groups RDS exports to can be made (with retention and the key) first."""
-    return f"{project}-slurm-accounting"
+    return f"{name_prefix}-slurm-accounting"
 
 
 class AccountingDatabase(Construct):
@@ -149,7 +152,7 @@ class AccountingDatabase(Construct):
         retain = props.removal_policy == cdk.RemovalPolicy.RETAIN
         self.schema_name = schema_name(props.project)
         self.port = MYSQL_PORT
-        identifier = cluster_identifier(props.project)
+        identifier = cluster_identifier(props.name_prefix)
         engine = rds.DatabaseClusterEngine.aurora_mysql(version=ENGINE_VERSION)
         parameters = rds.ParameterGroup(self, "Parameters", engine=engine, description=(
             "Slurm accounting: TLS required, audit log of connections and DDL/DCL, slow queries"), parameters={
@@ -194,7 +197,7 @@ class AccountingDatabase(Construct):
         # slurmdbd's own login; the secret holds username + password, what
         # ClusterAccountingDatabase.SecretArn must contain (API_ClusterAccountingDatabase).
         self.secret = secretsmanager.Secret(
-            self, "SlurmdbdSecret", secret_name=f"{props.project}/slurmdbd", encryption_key=props.key,
+            self, "SlurmdbdSecret", secret_name=f"{props.name_prefix}/slurmdbd", encryption_key=props.key,
             description="slurmdbd's login to the Slurm accounting database (rights on its schema only)",
             removal_policy=props.removal_policy,
             generate_secret_string=secretsmanager.SecretStringGenerator(

@@ -7,14 +7,17 @@ HyperPod installs and starts Slurm (and Docker) itself, then runs our
 ``on_init_complete.sh``, which only adds the platform's layer (FSx layout, users, package,
 envs, readiness). See ``lifecycle_config`` below for the schema text this relies on.
 The lifecycle scripts and the training package are uploaded under
-``s3://<lifecycle bucket>/lifecycle/<hash>/`` where <hash> is a content hash of both trees:
-any change to either yields a new SourceS3Uri, so CloudFormation updates the cluster and
-nodes created afterwards run the new code (lifecycle_scripts/settings.sh reads the settings file).
+``s3://<lifecycle bucket>/lifecycle/<hash>/`` where <hash> is a content hash of both trees and
+of the node settings (platform-settings.json less the account/region values): any change to
+either yields a new SourceS3Uri, so CloudFormation updates the cluster, nodes created afterwards
+run the new code and settings (lifecycle_scripts/settings.sh reads the settings file), and the
+running nodes get both by a rollout (runbooks/rollout.md).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +31,9 @@ from constructs import Construct
 
 from stacks.accounting import AccountingDatabase
 from stacks.cluster_logs import ClusterLogGroup
-from stacks.common import acknowledge, ignore_cfn_lint, removal_policy
+from stacks.common import acknowledge, ignore_cfn_lint
 from stacks.config import FSX_MOUNT, PlatformConfig
-from stacks.images import ImageRepositories
+from stacks.images import RegistryLogin
 from stacks.names import execution_role_name, mlflow_server_arn
 from stacks.network import Network
 from stacks.storage import StorageStack, bucket_names
@@ -66,6 +69,20 @@ package_files = _HASH.package_files
 package_hash = _HASH.package_hash
 
 
+def deployment_package_hash(config: PlatformConfig, lifecycle_dir: Path = LIFECYCLE_DIR,
+                            training_dir: Path = TRAINING_DIR, wheelhouse_root: Path = WHEELHOUSE_ROOT) -> str:
+    """The hash `cdk deploy` uploads this configuration's package under (code + node settings,
+    the wheelhouses of a private cluster included)."""
+    return package_hash(lifecycle_dir, training_dir, config.node_settings(wheelhouse_settings(config, wheelhouse_root)))
+
+
+def wheelhouse_settings(config: PlatformConfig, root: Path) -> dict[str, dict[str, str]]:
+    """env kind -> {prefix, lock_sha256, python} of the wheelhouses a private cluster installs from."""
+    if not config.privateNetwork:
+        return {}
+    return {kind: w.settings() for kind, w in wheelhouses_for(config, root).items()}
+
+
 @dataclass(kw_only=True, frozen=True)
 class ClusterProps:
     config: PlatformConfig
@@ -84,10 +101,10 @@ class ClusterProps:
 class PlatformBuckets(Construct):
     """The storage stack's buckets, referenced by their deterministic names (no exports)."""
 
-    def __init__(self, scope: Construct, id: str, *, project: str, key: kms.IKey) -> None:
+    def __init__(self, scope: Construct, id: str, *, name_prefix: str, key: kms.IKey) -> None:
         super().__init__(scope, id)
         self.key = key
-        self.names = bucket_names(project)
+        self.names = bucket_names(name_prefix)
         self.data, self.artefacts, self.lifecycle = (
             s3.Bucket.from_bucket_attributes(self, kind.capitalize(), bucket_name=self.names[kind], encryption_key=key)
             for kind in ("data", "artefacts", "lifecycle"))
@@ -104,9 +121,9 @@ def nag_partition(scope: Construct) -> str:
     return "<AWS::Partition>" if cdk.Token.is_unresolved(partition) else partition
 
 
-def nag_bucket_arn(project: str, kind: str, partition: str = "<AWS::Partition>") -> str:
+def nag_bucket_arn(name_prefix: str, kind: str, partition: str = "<AWS::Partition>") -> str:
     """A platform bucket's ARN as cdk-nag prints it in finding IDs (pseudo parameters in <>)."""
-    name = bucket_names(project)[kind]
+    name = bucket_names(name_prefix)[kind]
     for token, text in ((cdk.Aws.ACCOUNT_ID, "<AWS::AccountId>"), (cdk.Aws.REGION, "<AWS::Region>")):
         name = name.replace(token, text)
     return f"arn:{partition}:s3:::{name}"
@@ -235,9 +252,9 @@ class ExecutionRole(Construct):
                     "CloudWatch logs/metrics under /aws/sagemaker/Clusters, lifecycle buckets named "
                     "sagemaker-*); AWS maintains it as the service evolves.")
         self.policy_has_mlflow = props.config.mlflowTrackingServer
-        self._acknowledge_wildcards(props.config.projectName, private=props.config.privateNetwork)
+        self._acknowledge_wildcards(props.config.retained_prefix, private=props.config.privateNetwork)
 
-    def _acknowledge_wildcards(self, project: str, *, private: bool) -> None:
+    def _acknowledge_wildcards(self, name_prefix: str, *, private: bool) -> None:
         """Each object/ENI wildcard is scoped to exactly one platform bucket or to ENIs of this account/region."""
         reasons = {
             "Resource::*": "ec2:Describe* actions do not support resource-level permissions "
@@ -247,11 +264,11 @@ class ExecutionRole(Construct):
                 "account and region, and creation is further limited to the cluster subnet and group.",
         }
         for kind, what in (("lifecycle", "lifecycle/"), ("data", ""), ("artefacts", "")):
-            reasons[f"Resource::{nag_bucket_arn(project, kind, nag_partition(self))}/{what}*"] = (
+            reasons[f"Resource::{nag_bucket_arn(name_prefix, kind, nag_partition(self))}/{what}*"] = (
                 "Object-level access within exactly one platform bucket (the objects are created by "
                 "training jobs at run time); the bucket itself is named, never s3:*.")
         if private:
-            reasons[f"Resource::{nag_bucket_arn(project, 'lifecycle', nag_partition(self))}/wheelhouse/*"] = (
+            reasons[f"Resource::{nag_bucket_arn(name_prefix, 'lifecycle', nag_partition(self))}/wheelhouse/*"] = (
                 "Read-only, the wheelhouses the cluster stack uploads under wheelhouse/<kind>-<key>/ of the "
                 "platform's lifecycle bucket (keys named by content hashes not known to the role).")
         if self.policy_has_mlflow:
@@ -278,7 +295,13 @@ class LifecycleUpload(Construct):
         if not (props.lifecycle_dir / ON_INIT_COMPLETE).is_file():
             raise FileNotFoundError(f"{props.lifecycle_dir / ON_INIT_COMPLETE} is missing: every instance group's "
                                     "LifeCycleConfig.OnInitComplete names it")
-        self.package_hash = package_hash(props.lifecycle_dir, props.training_dir)
+        wheels = {kind: w.settings() for kind, w in wheelhouses.items()}
+        node_settings = cfg.node_settings(wheels)
+        if cdk.Token.is_unresolved(json.dumps(node_settings)):
+            raise ValueError("PlatformConfig.node_settings() holds a CDK token: the nodes could not recompute the "
+                             "package hash; put values of the account or region in package_hash.ENVIRONMENT_KEYS")
+        # Code + node settings: a clusterUsers change alone is a new prefix, rolled out like code.
+        self.package_hash = package_hash(props.lifecycle_dir, props.training_dir, node_settings)
         self.prefix = f"lifecycle/{self.package_hash}/"
         self.source_s3_uri = f"s3://{buckets.lifecycle.bucket_name}/{self.prefix}"
         self.settings = cfg.settings(
@@ -286,8 +309,7 @@ class LifecycleUpload(Construct):
             artefacts_bucket=buckets.artefacts.bucket_name, lifecycle_bucket=buckets.lifecycle.bucket_name,
             package_hash=self.package_hash,
             image_registry=f"{cdk.Aws.ACCOUNT_ID}.dkr.ecr.{cdk.Aws.REGION}.{cdk.Aws.URL_SUFFIX}",
-            wheelhouses={kind: w.settings() for kind, w in wheelhouses.items()},
-            remote_write_url=props.remote_write_url)
+            wheelhouses=wheels, remote_write_url=props.remote_write_url)
         common = dict(destination_bucket=buckets.lifecycle, prune=False, retain_on_delete=True,
                       memory_limit=512)
         self.scripts = s3deploy.BucketDeployment(
@@ -307,7 +329,7 @@ class Cluster(Construct):
     def __init__(self, scope: Construct, id: str, *, props: ClusterProps) -> None:
         super().__init__(scope, id)
         cfg = props.config
-        self.buckets = PlatformBuckets(self, "Buckets", project=cfg.projectName, key=props.storage.buckets.key)
+        self.buckets = PlatformBuckets(self, "Buckets", name_prefix=cfg.retained_prefix, key=props.storage.buckets.key)
         self.execution_role = ExecutionRole(self, "ExecutionRole", props=props, buckets=self.buckets)
         wheelhouses = wheelhouses_for(cfg, props.wheelhouse_root) if cfg.privateNetwork else {}
         self.upload = LifecycleUpload(self, "Lifecycle", props=props, buckets=self.buckets, wheelhouses=wheelhouses)
@@ -444,28 +466,22 @@ class ClusterStack(cdk.Stack):
         self.cluster_logs = ClusterLogGroup(self, "ClusterLogs", cluster=self.cluster.cluster,
                                             cluster_name=config.clusterName, key=buckets.key,
                                             retention_days=config.logRetentionDays)
-        # Training images (containers/, runbooks/containers.md): pulled by the nodes' role only.
-        self.images = ImageRepositories(self, "Images", project=config.projectName, key=buckets.key,
-                                        pull_role=self.cluster.execution_role.role,
-                                        removal_policy=removal_policy(config))
+        # The image repositories are the storage stack's (kept with the data); the nodes' role
+        # may get the registry login token.
+        self.registry_login = RegistryLogin(self, "RegistryLogin", role=self.cluster.execution_role.role)
         outputs = {
             "ClusterName": (config.clusterName, "HyperPod cluster name (aws sagemaker describe-cluster --cluster-name ...)"),
             "ClusterArn": (self.cluster.cluster.attr_cluster_arn, "HyperPod cluster ARN"),
-            "DataBucket": (buckets.data.bucket_name, "Raw data and precomputed feature shards"),
-            "ArtefactsBucket": (buckets.artefacts.bucket_name, "Checkpoints, exports, reports, compile caches"),
+            "DataBucket": (buckets.data.bucket_name, "Raw data and precomputed feature shards (/fsx/data on FSx)"),
+            "ArtefactsBucket": (buckets.artefacts.bucket_name,
+                                "Checkpoints, exports, reports, compile caches (/fsx/artefacts on FSx)"),
             "LifecycleBucket": (buckets.lifecycle.bucket_name, "Lifecycle scripts and the training package"),
-            "LifecycleUri": (upload.source_s3_uri, "LifeCycleConfig.SourceS3Uri of every instance group"),
+            "LifecycleUri": (upload.source_s3_uri, "LifeCycleConfig.SourceS3Uri of every instance group: the package "
+                                                   "to roll out (runbooks/rollout.md)"),
             "FeaturesUri": (f"s3://{buckets.data.bucket_name}/features/",
-                            "data.path for training configs (also visible on /fsx/data/features)"),
-            "CheckpointMirrorUri": (f"s3://{buckets.artefacts.bucket_name}/checkpoints/",
-                                    "checkpoint.s3_mirror for training configs"),
-            "NeuronCompileCacheUri": (f"s3://{buckets.artefacts.bucket_name}/neuron-compile-cache/",
-                                      "Neuron persistent compile cache URL"),
-            "ReportsUri": (f"s3://{buckets.artefacts.bucket_name}/reports/", "bench results and reports"),
-            "GpuImageRepositoryUri": (self.images.repositories["gpu"].repository_uri,
-                                      "ECR repository of the GPU training image (make push-image IMAGE=gpu)"),
-            "NeuronImageRepositoryUri": (self.images.repositories["neuron"].repository_uri,
-                                         "ECR repository of the Neuron training image (make push-image IMAGE=neuron)"),
+                            "Where precomputed shards go in S3; jobs read them as /fsx/data/features"),
+            "CheckpointsUri": (f"s3://{buckets.artefacts.bucket_name}/checkpoints/",
+                               "S3 copy of /fsx/artefacts/checkpoints (FSx exports every run directory)"),
         }
         for key, (value, description) in outputs.items():
             cdk.CfnOutput(self, key, value=value, description=description)
@@ -517,7 +533,7 @@ class ClusterStack(cdk.Stack):
             "Action::kms:ReEncrypt*": "CDK grant on the platform key of the lifecycle bucket (copy between prefixes).",
             f"Resource::{assets}": "Objects of the CDK bootstrap asset bucket, where `cdk deploy` puts the zipped "
                                    "scripts (asset object keys are content hashes not known in advance).",
-            f"Resource::{nag_bucket_arn(config.projectName, 'lifecycle', partition)}/*":
+            f"Resource::{nag_bucket_arn(config.retained_prefix, 'lifecycle', partition)}/*":
                 "Objects of exactly the platform's lifecycle bucket (the destination).",
         }
         for finding, reason in wildcards.items():

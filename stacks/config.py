@@ -226,10 +226,16 @@ class PlatformConfig:
     """Automatic = HyperPod replaces or reboots faulty nodes; None = only labels them."""
     dataRemovalPolicy: str = "retain"
     """retain = buckets, key and FSx survive `cdk destroy`; destroy = deleted with the stacks."""
+    deploymentGeneration: int = 1
+    """In the names of what `cdk destroy --all` keeps; raise it to deploy again beside the kept resources."""
     clusterUsers: tuple[PosixAccount, ...] = (PosixAccount("researcher", 2001),)
     """POSIX users (name:uid) created on every node, homes under /fsx/home; members of clusterGroup."""
     clusterGroup: PosixAccount = PosixAccount("sana", 2000)
     """Shared group (name:gid): every user's primary group; it owns and may write /fsx/data and /fsx/artefacts."""
+    clusterAdmins: tuple[str, ...] = ()
+    """clusterUsers names who may run commands as root with sudo on every node (members of clusterAdminGroup)."""
+    clusterAdminGroup: PosixAccount = PosixAccount("sana-admin", 2999)
+    """Admin group (name:gid): /etc/sudoers.d/sana-platform-admins lets its members (clusterAdmins) sudo."""
     continuousProvisioning: bool = True
     """NodeProvisioningMode Continuous: partial capacity, async retries; chosen at cluster creation."""
     slurmAccounting: bool = False
@@ -318,7 +324,13 @@ class PlatformConfig:
             _count(key, getattr(self, key), 1, 16384)
         _one_of("nodeRecovery", self.nodeRecovery, NODE_RECOVERY)
         _one_of("dataRemovalPolicy", self.dataRemovalPolicy, REMOVAL_POLICIES)
+        _count("deploymentGeneration", self.deploymentGeneration, 1, 99)
+        if len(self.retained_prefix) > 20:
+            raise ConfigError("deploymentGeneration", self.deploymentGeneration,
+                              f"projectName with its generation is {self.retained_prefix!r}, over 20 characters "
+                              "(it becomes part of S3 bucket names); allowed: a shorter projectName")
         self._check_users()
+        self._check_admins()
         _one_of("logRetentionDays", self.logRetentionDays, LOG_RETENTION_DAYS)
         for key in ("keyAdministrators", "keyUsers"):
             for arn in getattr(self, key):
@@ -369,6 +381,30 @@ class PlatformConfig:
                               f"{what} (Ubuntu's per-user private groups use the user's uid and name); "
                               "allowed: a gid and name no user in clusterUsers has")
 
+    def _check_admins(self) -> None:
+        """clusterAdmins are clusterUsers names; the admin group is a group of its own."""
+        users = {u.name: u for u in self.clusterUsers}
+        seen: set[str] = set()
+        for name in self.clusterAdmins:
+            if name not in users:
+                raise ConfigError("clusterAdmins", name, "not a clusterUsers name (an admin is a cluster user who "
+                                  "may sudo); allowed: " + ", ".join(sorted(users)))
+            if name in seen:
+                raise ConfigError("clusterAdmins", name, "listed twice; allowed: each name once")
+            seen.add(name)
+        group = self.clusterAdminGroup
+        if not isinstance(group, PosixAccount):
+            raise ConfigError("clusterAdminGroup", group, "allowed: one name:gid, e.g. sana-admin:2999")
+        cluster = self.clusterGroup
+        if group.id == cluster.id or group.name == cluster.name:
+            raise ConfigError("clusterAdminGroup", str(group), f"is clusterGroup's {'gid' if group.id == cluster.id else 'name'}; "
+                              "allowed: a gid and name of its own (only admins may be members)")
+        clash = next((u for u in users.values() if u.id == group.id or u.name == group.name), None)
+        if clash is not None:
+            raise ConfigError("clusterAdminGroup", str(group), f"user {clash.name} has that "
+                              f"{'uid' if clash.id == group.id else 'name'} (Ubuntu's per-user private groups use "
+                              "the user's uid and name); allowed: a gid and name no user in clusterUsers has")
+
     def _check_az(self) -> None:
         if not AZ_ID_RE.match(self.availabilityZoneId):
             raise ConfigError("availabilityZoneId", self.availabilityZoneId,
@@ -389,6 +425,14 @@ class PlatformConfig:
                               "allowed: a private IPv4 network from /16 to /22, e.g. 10.0.0.0/16")
 
     # ---- derived values -------------------------------------------------------------
+    @property
+    def retained_prefix(self) -> str:
+        """Prefix of the names of the resources `cdk destroy` keeps (buckets, image repositories,
+        the accounting database's logs and secret): projectName, with ``-g<N>`` from generation 2
+        on, so a redeploy after a full teardown never collides with what the last one kept."""
+        generation = self.deploymentGeneration
+        return self.projectName if generation == 1 else f"{self.projectName}-g{generation}"
+
     @property
     def groups(self) -> dict[str, str]:
         """Instance group name -> role, in creation order; groups with 0 nodes are absent."""
@@ -441,37 +485,50 @@ class PlatformConfig:
         return cls(**values)
 
     def settings(self, *, region: str, data_bucket: str, artefacts_bucket: str, lifecycle_bucket: str,
-                 package_hash: str, image_registry: str = "",
-                 wheelhouses: Mapping[str, Mapping[str, str]] | None = None,
-                 remote_write_url: str = "") -> dict[str, Any]:
+                 package_hash: str, image_registry: str = "", remote_write_url: str = "",
+                 wheelhouses: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Any]:
         """platform-settings.json, uploaded next to the lifecycle scripts; lifecycle_scripts/settings.sh reads it.
 
+        The node settings plus what the deployment's account and region decide (and the hash):
+        exactly lifecycle_scripts/package_hash.py's ENVIRONMENT_KEYS, which the hash leaves out.
         ``image_registry``: this account's ECR registry, the only one a private cluster pulls from;
-        ``wheelhouses``: env kind -> {prefix, lock_sha256, python} (stacks/wheelhouse.py), private only;
-        ``remote_write_url``: the Prometheus workspace the controller's collector writes to (observability).
+        ``remote_write_url``: the Prometheus workspace the controller's collector writes to
+        (observability); ``wheelhouses``: env kind -> {prefix, lock_sha256, python}
+        (stacks/wheelhouse.py), private only, hashed with the node settings.
         """
         return {
-            "project": self.projectName,
-            "cluster_name": self.clusterName,
             "region": region,
-            "fsx_mount": FSX_MOUNT,
-            "groups": self.groups,
             "data_bucket": data_bucket,
             "artefacts_bucket": artefacts_bucket,
             "lifecycle_bucket": lifecycle_bucket,
             "package_hash": package_hash,
+            "image_registry": image_registry,
+            "remote_write_url": remote_write_url,
+            **self.node_settings(wheelhouses),
+        }
+
+    def node_settings(self, wheelhouses: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Any]:
+        """The settings a node installs that this configuration alone decides (no CDK token):
+        hashed into the package prefix, so changing any of them is a new package to roll out.
+        ``wheelhouses`` (privateNetwork): named by the content hashes of their locks."""
+        return {
+            "project": self.projectName,
+            "cluster_name": self.clusterName,
+            "fsx_mount": FSX_MOUNT,
+            "groups": self.groups,
             "neuron_pip_index": NEURON_PIP_INDEX,
             "rendezvous_port": RENDEZVOUS_PORT,
             "envs": {"gpu": f"{FSX_MOUNT}/envs/gpu", "neuron": f"{FSX_MOUNT}/envs/neuron"},
             "cluster_group": {"name": self.clusterGroup.name, "gid": self.clusterGroup.id},
             "cluster_users": [{"name": u.name, "uid": u.id} for u in self.clusterUsers],
+            "cluster_admins": list(self.clusterAdmins),
+            "admin_group": {"name": self.clusterAdminGroup.name, "gid": self.clusterAdminGroup.id},
             "home_root": HOME_ROOT,
             "slurm_accounting": self.slurmAccounting,
             "container_runtime": self.containerRuntime,
             "private_network": self.privateNetwork,
-            "image_registry": image_registry,
             "wheelhouses": {kind: dict(w) for kind, w in (wheelhouses or {}).items()},
-            "observability": {"enabled": self.observability, "remote_write_url": remote_write_url},
+            "observability": {"enabled": self.observability},
         }
 
     @classmethod

@@ -1,12 +1,19 @@
 """ECR repositories for the training images (containers/gpu.Dockerfile, containers/neuron.Dockerfile).
 
-One repository per image, named ``<project>/sana-<kind>`` (what ``python -m containers.image push``
-pushes to): scan on push, immutable tags (a tag is ``<package hash>-<recipe hash>`` and must
+One repository per image, named ``<project>/sana-<kind>`` (``<project>-g<N>/sana-<kind>`` from
+deploymentGeneration 2 on; what ``python -m containers.image push`` pushes to): scan on push, immutable tags (a tag is ``<package hash>-<recipe hash>`` and must
 always mean the same bytes; pyxis/enroot imports are cached by it on /fsx/images), encrypted
 with the platform KMS key, a lifecycle rule that expires untagged images beyond the last
 ``KEEP_UNTAGGED`` (tagged images are the record of what ran and are kept), and a repository
 policy that lets only the cluster execution role pull (no ``*`` principal; pushes come from the
 platform team's own IAM identities, which the account grants, not this policy).
+
+The repositories live in the storage stack, kept with the data by ``cdk destroy <project>-cluster``
+(a retained repository with a fixed name in the cluster stack made every redeploy of that stack
+collide with it). The policy names the execution role, which the cluster stack creates later, by
+its fixed name (stacks/names.py) through aws:PrincipalArn on the account principal, as the key
+policy does: a resource policy naming a role that does not exist yet is refused. The registry
+login (ecr:GetAuthorizationToken) is a policy of the role's own stack (:class:`RegistryLogin`).
 Properties: AWS::ECR::Repository (CloudFormation User Guide): ImageScanningConfiguration.ScanOnPush,
 ImageTagMutability IMMUTABLE, EncryptionConfiguration {EncryptionType: KMS, KmsKey},
 LifecyclePolicy, RepositoryPolicyText.
@@ -29,20 +36,21 @@ KEEP_UNTAGGED = 5
 PULL_ACTIONS = ["ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"]
 
 
-def repository_name(project: str, kind: str) -> str:
-    return f"{project}/sana-{kind}"
+def repository_name(name_prefix: str, kind: str) -> str:
+    """``name_prefix``: PlatformConfig.retained_prefix (the project, and its generation from 2 on)."""
+    return f"{name_prefix}/sana-{kind}"
 
 
 class ImageRepositories(Construct):
-    """``repositories[kind]`` for every image kind, pullable by ``pull_role`` only."""
+    """``repositories[kind]`` for every image kind, pullable by the cluster execution role only."""
 
-    def __init__(self, scope: Construct, id: str, *, project: str, key: kms.IKey, pull_role: iam.IRole,
+    def __init__(self, scope: Construct, id: str, *, name_prefix: str, pull_role_arn: str, key: kms.IKey,
                  removal_policy: cdk.RemovalPolicy) -> None:
         super().__init__(scope, id)
         self.repositories: dict[str, ecr.Repository] = {}
         for kind in IMAGE_KINDS:
             repo = ecr.Repository(
-                self, kind.capitalize(), repository_name=repository_name(project, kind),
+                self, kind.capitalize(), repository_name=repository_name(name_prefix, kind),
                 image_scan_on_push=True, image_tag_mutability=ecr.TagMutability.IMMUTABLE,
                 encryption=ecr.RepositoryEncryption.KMS, encryption_key=key,
                 lifecycle_rules=[ecr.LifecycleRule(
@@ -50,15 +58,21 @@ class ImageRepositories(Construct):
                     max_image_count=KEEP_UNTAGGED)],
                 removal_policy=removal_policy, empty_on_delete=False)
             repo.add_to_resource_policy(iam.PolicyStatement(
-                sid="PullByClusterNodes", principals=[iam.ArnPrincipal(pull_role.role_arn)],
-                actions=PULL_ACTIONS))
+                sid="PullByClusterNodes", principals=[iam.AccountRootPrincipal()],
+                actions=PULL_ACTIONS, conditions={"ArnEquals": {"aws:PrincipalArn": pull_role_arn}}))
             self.repositories[kind] = repo
-        # The registry login token (`aws ecr get-login-password`, which enroot's credentials file
-        # uses): ecr:GetAuthorizationToken has no resource-level permissions, only "*".
-        # A managed policy (HIPAA.Security-IAMNoInlinePolicy), attached to the role here.
-        self.login_policy = iam.ManagedPolicy(self, "RegistryLogin", roles=[pull_role], statements=[
+
+
+class RegistryLogin(Construct):
+    """The registry login token for ``role`` (`aws ecr get-login-password`, which enroot's
+    credentials file uses): ecr:GetAuthorizationToken has no resource-level permissions, only "*".
+    A managed policy (HIPAA.Security-IAMNoInlinePolicy), attached to the role in its own stack."""
+
+    def __init__(self, scope: Construct, id: str, *, role: iam.IRole) -> None:
+        super().__init__(scope, id)
+        self.policy = iam.ManagedPolicy(self, "Policy", roles=[role], statements=[
             iam.PolicyStatement(sid="EcrLogin", actions=["ecr:GetAuthorizationToken"], resources=["*"])])
-        acknowledge(self.login_policy, "AwsSolutions::AwsSolutions-IAM5[Resource::*]",
+        acknowledge(self.policy, "AwsSolutions::AwsSolutions-IAM5[Resource::*]",
                     "ecr:GetAuthorizationToken does not support resource-level permissions (Service "
                     "Authorization Reference, Amazon ECR); the token only lets the nodes reach the "
                     "registry, and each repository's policy decides what they may pull.")

@@ -13,8 +13,11 @@ from __future__ import annotations
 import aws_cdk as cdk
 
 
-def bucket_names(project: str) -> dict[str, str]:
+def bucket_names(name_prefix: str) -> dict[str, str]:
     """Deterministic bucket names (with the account/region pseudo parameters as tokens).
+
+    ``name_prefix`` is PlatformConfig.retained_prefix: the project, with ``-g<N>`` from
+    deploymentGeneration 2 on (retained buckets of an earlier deployment keep their names).
 
     Named rather than generated so that other stacks, IAM statements and the nodes'
     platform-settings.json refer to them without cross-stack exports, and so that audit
@@ -23,8 +26,8 @@ def bucket_names(project: str) -> dict[str, str]:
     hence the lifecycle bucket's prefix.
     """
     suffix = f"{cdk.Aws.ACCOUNT_ID}-{cdk.Aws.REGION}"
-    return {"data": f"{project}-data-{suffix}", "artefacts": f"{project}-artefacts-{suffix}",
-            "lifecycle": f"sagemaker-{project}-lc-{suffix}"}
+    return {"data": f"{name_prefix}-data-{suffix}", "artefacts": f"{name_prefix}-artefacts-{suffix}",
+            "lifecycle": f"sagemaker-{name_prefix}-lc-{suffix}"}
 
 
 def bucket_arn(name: str) -> str:

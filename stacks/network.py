@@ -46,6 +46,8 @@ class NetworkProps:
     nat_subnet_cidr: str
     removal_policy: cdk.RemovalPolicy
     project: str
+    bucket_prefix: str
+    """PlatformConfig.retained_prefix: the platform buckets' names start with it (stacks/names.py)."""
     cloud_trail: bool
     log_retention_days: int
     accounting_subnet_cidrs: tuple[str, str] | None = None
@@ -61,7 +63,7 @@ class AccessLogBucket(Construct):
     (docs.aws.amazon.com/AmazonS3/latest/userguide/enable-server-access-logging.html).
     """
 
-    def __init__(self, scope: Construct, id: str, *, removal: cdk.RemovalPolicy, project: str,
+    def __init__(self, scope: Construct, id: str, *, removal: cdk.RemovalPolicy, project: str, bucket_prefix: str,
                  cloud_trail: bool) -> None:
         super().__init__(scope, id)
         self.bucket = s3.Bucket(
@@ -91,7 +93,7 @@ class AccessLogBucket(Construct):
             actions=["s3:PutObject"],
             resources=[self.bucket.arn_for_objects(ACCESS_LOG_PREFIX + "*")],
             conditions={"StringEquals": {"aws:SourceAccount": cdk.Aws.ACCOUNT_ID},
-                        "ArnEquals": {"aws:SourceArn": [bucket_arn(n) for n in bucket_names(project).values()]}},
+                        "ArnEquals": {"aws:SourceArn": [bucket_arn(n) for n in bucket_names(bucket_prefix).values()]}},
         ))
         if cloud_trail:
             # The platform's trail (stacks/trail.py) writes here; CloudTrail's own bucket policy,
@@ -154,7 +156,7 @@ class Network(Construct):
     def __init__(self, scope: Construct, id: str, *, props: NetworkProps) -> None:
         super().__init__(scope, id)
         self.access_logs = AccessLogBucket(self, "AccessLogs", removal=props.removal_policy, project=props.project,
-                                           cloud_trail=props.cloud_trail).bucket
+                                           bucket_prefix=props.bucket_prefix, cloud_trail=props.cloud_trail).bucket
         self.vpc = ec2.Vpc(
             self, "Vpc",
             ip_addresses=ec2.IpAddresses.cidr(props.cidr),
@@ -262,7 +264,8 @@ class NetworkStack(cdk.Stack):
         self.network = Network(self, "Network", props=NetworkProps(
             cidr=config.vpcCidr, az_id=config.availabilityZoneId,
             cluster_subnet_cidr=config.private_subnet_cidr, nat_subnet_cidr=config.public_subnet_cidr,
-            removal_policy=removal_policy(config), project=config.projectName, cloud_trail=config.cloudTrail,
+            removal_policy=removal_policy(config), project=config.projectName,
+            bucket_prefix=config.retained_prefix, cloud_trail=config.cloudTrail,
             log_retention_days=config.logRetentionDays,
             accounting_subnet_cidrs=config.accounting_subnet_cidrs if config.slurmAccounting else None,
             private_endpoints=required_endpoints(config) if config.privateNetwork else None))

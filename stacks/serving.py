@@ -78,7 +78,7 @@ class ServingStack(cdk.Stack):
         kind = image_kind(cfg.servingInstanceType)
         image, repository_arn = self._image(cfg, kind)
         model_bucket, model_key = model_data_location(cfg.servingModelDataUrl)
-        artefacts = bucket_names(cfg.projectName)["artefacts"]
+        artefacts = bucket_names(cfg.retained_prefix)["artefacts"]
         part = cdk.Aws.PARTITION
         ec2_arn = f"arn:{part}:ec2:{cdk.Aws.REGION}:{cdk.Aws.ACCOUNT_ID}"
         statements = [
@@ -243,7 +243,7 @@ class ServingStack(cdk.Stack):
         # (the ARNs above are built from the AWS::Partition pseudo parameter, so cdk-nag prints it
         # as <AWS::Partition> whether or not the stack is pinned to a region)
         if cfg.servingDataCapture:
-            reasons[f"Resource::{nag_bucket_arn(cfg.projectName, 'artefacts')}/{CAPTURE_PREFIX}*"] = (
+            reasons[f"Resource::{nag_bucket_arn(cfg.retained_prefix, 'artefacts')}/{CAPTURE_PREFIX}*"] = (
                 "Captured requests/responses are new objects under one prefix of the artefacts bucket.")
         for finding, reason in reasons.items():
             acknowledge(self.policy, f"AwsSolutions::AwsSolutions-IAM5[{finding}]", reason)

@@ -1,8 +1,8 @@
-"""Storage: the platform KMS key, the data / artefacts / lifecycle buckets and FSx for Lustre.
+"""Storage: the platform KMS key, the data / artefacts / lifecycle buckets, FSx for Lustre and the image repositories.
 
-Data flow (DESIGN.md): S3 features -> FSx `/data` (imported automatically) -> training on
-`/fsx`; reports and other artefacts under FSx `/artefacts` are exported to the artefacts
-bucket automatically. Checkpoints are mirrored to S3 by the training package itself.
+Data flow: S3 features -> FSx `/data` (imported automatically) -> training on
+`/fsx`; checkpoints, reports and other artefacts under FSx `/artefacts` are exported to the
+artefacts bucket automatically (a cluster user's job has no S3 credentials of its own).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from aws_cdk import aws_kms as kms
 from aws_cdk import aws_s3 as s3
 from constructs import Construct
 
-from stacks.accounting import AccountingDatabase, AccountingDatabaseProps
+from stacks.accounting import AccountingDatabase, AccountingDatabaseProps, cluster_identifier
 from stacks.common import acknowledge, removal_policy
 from stacks.config import PlatformConfig
+from stacks.images import ImageRepositories
 from stacks.key_policy import KeyPolicyProps, platform_key_policy
 from stacks.names import (
     alerts_topic_arn,
@@ -48,7 +49,8 @@ def platform_log_groups(cfg: PlatformConfig) -> tuple[str, ...]:
     p = cfg.projectName
     serving = (f"/aws/sagemaker/Endpoints/{endpoint_name(p)}",) if cfg.serving else ()  # stacks/serving.py
     return (f"/aws/lambda/{p}-cluster-*", f"/aws/lambda/{p}-storage-*",
-            f"/aws/sagemaker/Clusters/{cfg.clusterName}/*", f"/aws/rds/cluster/{p}-slurm-accounting/*", *serving)
+            f"/aws/sagemaker/Clusters/{cfg.clusterName}/*",
+            f"/aws/rds/cluster/{cluster_identifier(cfg.retained_prefix)}/*", *serving)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -67,7 +69,7 @@ class Buckets(Construct):
         super().__init__(scope, id)
         cfg = props.config
         project = cfg.projectName
-        names = bucket_names(project)
+        names = bucket_names(cfg.retained_prefix)
         # Named principals only (stacks/key_policy.py): no kms:* for the account.
         self.key = kms.Key(
             self, "Key", enable_key_rotation=True, removal_policy=props.removal_policy,
@@ -259,8 +261,17 @@ class StorageStack(cdk.Stack):
             buckets=(self.buckets.data, self.buckets.artefacts, self.buckets.lifecycle))) if config.cloudTrail else None
         self.accounting = None if network.accounting is None else AccountingDatabase(
             self, "SlurmAccounting", props=AccountingDatabaseProps(
-                project=config.projectName, vpc=network.vpc, network=network.accounting, key=self.buckets.key,
+                project=config.projectName, name_prefix=config.retained_prefix, vpc=network.vpc,
+                network=network.accounting, key=self.buckets.key,
                 removal_policy=removal, log_retention_days=config.logRetentionDays))
+        # Training images (containers/, runbooks/containers.md), kept with the data: pulled by the
+        # nodes' role only, which the cluster stack creates under its fixed name.
+        self.images = ImageRepositories(self, "Images", name_prefix=config.retained_prefix,
+                                        pull_role_arn=execution_role_arn(config.projectName), key=self.buckets.key,
+                                        removal_policy=removal)
+        for kind, label in (("gpu", "Gpu"), ("neuron", "Neuron")):
+            cdk.CfnOutput(self, f"{label}ImageRepositoryUri", value=self.images.repositories[kind].repository_uri,
+                          description=f"ECR repository of the {label} training image (make push-image IMAGE={kind})")
         # Outputs live where the values are made (an output re-exporting an import is W6001).
         cdk.CfnOutput(self, "FsxDnsName", value=self.file_system.dns_name, description="FSx for Lustre DNS name")
         cdk.CfnOutput(self, "FsxMountName", value=self.file_system.mount_name,

@@ -31,8 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from containers.image import BuildOptions, build, host_pip_settings, spec_of
-from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_hash
+from containers.image import BuildOptions, build, deployment_hash, host_pip_settings, spec_of
 from training.checkpoint import MANIFEST, step_dir_name
 from training.checkpoint.consolidate import load_full
 from training.data import write_synthetic_features
@@ -114,7 +113,7 @@ def base_image(storage: list[str]) -> str:
 def image(storage: list[str], base_image: str) -> dict:
     """The GPU image (EFA off) built on the base; returns its reference and inspect config."""
     started = time.monotonic()
-    hash_at_build = package_hash(LIFECYCLE_DIR, TRAINING_DIR)  # others may edit the tree meanwhile
+    hash_at_build = deployment_hash()  # others may edit the tree meanwhile
     meta = build("gpu", BuildOptions(base_image=base_image, install_efa=False), builder="buildah",
                  pip=host_pip_settings(sys.executable), global_args=storage)
     seconds = time.monotonic() - started

@@ -17,7 +17,8 @@ from containers.image import (
     main,
     spec_of,
 )
-from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_hash
+from stacks.cluster import deployment_package_hash
+from stacks.platform import PlatformConfig, cdk_json_context
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_tag_is_the_package_hash_plus_a_recipe_hash_that_changes_with_base_and_efa():
     spec = spec_of("gpu")
     meta = image_meta(spec, BuildOptions())
-    assert meta.package_hash == package_hash(LIFECYCLE_DIR, TRAINING_DIR)
+    # The name the stack uploads (and the nodes install) this checkout's package under, with cdk.json's settings.
+    assert meta.package_hash == deployment_package_hash(PlatformConfig.from_context(cdk_json_context()))
     assert meta.tag.startswith(meta.package_hash + "-") and len(meta.tag.split("-")[1]) == 8
     assert meta.requirements_hash == hashlib.sha256((REPO / "training/requirements-gpu.txt").read_bytes()).hexdigest()[:16]
     others = {image_meta(spec, BuildOptions(install_efa=True)).tag, image_meta(spec, BuildOptions(base_image="x")).tag}

@@ -212,3 +212,124 @@ def _config_key_mentions() -> list[tuple[str, str]]:
 @pytest.mark.parametrize(("doc", "key"), _config_key_mentions())
 def test_training_config_keys_exist(doc, key):
     assert key in _train_config_keys(), f"{doc}: names training config key {key!r}, which TrainConfig lacks"
+
+
+# --------------------------------------------------------------------------- stack outputs
+
+#: Names shaped like stack outputs that the docs use for something else, each a property of an
+#: AWS resource or API the text quotes.
+NOT_OUTPUTS = {
+    "SourceS3Uri": "LifeCycleConfig.SourceS3Uri of AWS::SageMaker::Cluster",
+    "SecretArn": "ClusterAccountingDatabase.SecretArn of AWS::SageMaker::Cluster",
+    "KmsKeyId": "the KMS key property of several AWS resources",
+    "VolumeKmsKeyId": "ClusterEbsVolumeConfig.VolumeKmsKeyId of AWS::SageMaker::Cluster",
+}
+OUTPUT_SHAPE = re.compile(r"(?:`|<)([A-Z][a-z0-9]+(?:[A-Z0-9][a-z0-9]*)*(?:Bucket|Uri|Name|Arn|Id|Url))(?:`|>)")
+STACK_OUTPUT = re.compile(r"\b(network|storage|cluster|serving) stack(?:'s)? outputs? `([A-Za-z0-9]+)`")
+
+
+@functools.cache
+def _stack_outputs() -> dict[str, str]:
+    """Output name -> stack kind, of an app with every optional stack and resource on."""
+    import os
+
+    os.environ.setdefault("JSII_SILENCE_WARNING_END_OF_LIFE_NODE_VERSION", "20")
+    import aws_cdk as cdk
+
+    from stacks.platform import build_app
+
+    platform = build_app({"slurmAccounting": "true", "serving": "true", "servingModelDataUrl":
+                          "s3://sana-artefacts-123456789012-us-east-1/serving/model-0123456789ab.tar.gz"})
+    outputs = {}
+    for stack in (platform.network, platform.storage, platform.cluster, platform.serving):
+        kind = stack.stack_name.rsplit("-", 1)[1]
+        for construct in stack.node.find_all():
+            if isinstance(construct, cdk.CfnOutput):
+                outputs[construct.node.id] = kind
+    return outputs
+
+
+def _output_mentions() -> list[tuple[str, str]]:
+    found = set()
+    for doc in DOCS:
+        for name in OUTPUT_SHAPE.findall(doc.read_text()):
+            if name not in NOT_OUTPUTS:
+                found.add((_rel(doc), name))
+    return sorted(found)
+
+
+@pytest.mark.parametrize(("doc", "name"), _output_mentions())
+def test_every_stack_output_the_docs_name_exists(doc, name):
+    assert name in _stack_outputs(), f"{doc}: names stack output `{name}`, which no stack has " \
+        f"(outputs: {', '.join(sorted(_stack_outputs()))}); if it is not an output, add it to NOT_OUTPUTS"
+
+
+@pytest.mark.parametrize(("doc", "kind", "name"), sorted(
+    {(_rel(d), k, n) for d in DOCS for k, n in STACK_OUTPUT.findall(d.read_text())}))
+def test_outputs_are_named_with_the_stack_that_has_them(doc, kind, name):
+    assert _stack_outputs().get(name) == kind, f"{doc}: says the {kind} stack has output {name}; it is the " \
+        f"{_stack_outputs().get(name, 'no')} stack's"
+
+
+# --------------------------------------------------------------------------- /fsx paths
+
+FSX_PATH = re.compile(r"(?<![\w$}])/fsx/([A-Za-z0-9_%-][A-Za-z0-9_.%-]*)(?:/([^\s`'\")\]|,;:]+))?")
+#: Where each top-level FSx directory comes from; the per-user trees take a user as their next part.
+USER_TREES = {"runs", "exports"}
+USER_PLACEHOLDERS = ("<user>", "$USER", "${USER}", "%u", "$(whoami)")
+
+
+@functools.cache
+def _fsx_top_dirs() -> frozenset[str]:
+    """Top-level directories of FSx the lifecycle creates (shared_dirs.sh, container_runtime.sh,
+    the users' homes) and the two data repository associations (stacks/storage.py)."""
+    from stacks.config import HOME_ROOT
+    from stacks.storage import FSX_ARTEFACTS_PATH, FSX_DATA_PATH
+
+    made = set()
+    for script in ("shared_dirs.sh", "container_runtime.sh"):
+        for line in (REPO / "lifecycle_scripts" / script).read_text().splitlines():
+            match = re.match(r'\s*safe_fs dir "\$FSX" \S+ \S+ (.+)$', line)
+            if match:
+                made |= {part.split("/")[0] for part in match.group(1).split()}
+    made |= {HOME_ROOT.split("/")[2], FSX_DATA_PATH.strip("/"), FSX_ARTEFACTS_PATH.strip("/")}
+    return frozenset(made)
+
+
+def _fsx_mentions() -> list[tuple[str, str, str]]:
+    found = set()
+    for doc in DOCS:
+        for line in _command_lines(doc.read_text()):
+            for top, rest in FSX_PATH.findall(line):
+                found.add((_rel(doc), top, rest.split("/")[0] if rest else ""))
+    return sorted(found)
+
+
+@pytest.mark.parametrize(("doc", "top", "sub"), _fsx_mentions())
+def test_every_fsx_path_the_docs_use_is_one_the_lifecycle_creates(doc, top, sub):
+    assert top in _fsx_top_dirs(), f"{doc}: uses /fsx/{top}/..., which nothing creates (lifecycle_scripts/" \
+        f"shared_dirs.sh makes {', '.join(sorted(_fsx_top_dirs()))})"
+    if top in USER_TREES:
+        assert sub in ("", *USER_PLACEHOLDERS), f"{doc}: /fsx/{top}/{sub}: /fsx/{top} holds one private directory " \
+            f"per user (shared_dirs.sh); write /fsx/{top}/$USER/..."
+
+
+# --------------------------------------------------------------------------- modules and scripts
+
+@pytest.mark.parametrize(("doc", "command"), [
+    (doc, line) for doc in DOCS for line in _command_lines(doc.read_text())
+    if re.search(r"(^|\s)python3? -m (stacks|containers)\.[a-z_]+", line)])
+def test_platform_modules_and_flags_exist(doc, command):
+    tokens = _tokens(command)
+    module = tokens[tokens.index("-m") + 1]
+    assert (REPO / Path(*module.split("."))).with_suffix(".py").exists(), f"{doc}: `{command}` runs {module}"
+    helptext = _module_help(module)
+    for flag in (t.split("=")[0] for t in tokens if t.startswith("--")):
+        assert flag in helptext, f"{doc}: `{command}` uses {flag}, not in `python -m {module} --help`"
+
+
+@pytest.mark.parametrize(("doc", "script"), sorted(
+    {(_rel(d), s) for d in DOCS for s in re.findall(r"(?<!tests/)lifecycle(?:_scripts)?/([a-z_]+\.(?:sh|py))",
+                                                        d.read_text())}))
+def test_lifecycle_scripts_the_docs_name_exist(doc, script):
+    assert (REPO / "lifecycle_scripts" / script).exists(), f"{doc}: names lifecycle script {script}"

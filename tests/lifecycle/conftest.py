@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lifecycle_cluster import Cluster, build_wheel, container_sources, make_bundle, make_standins
+from lifecycle_cluster import Cluster, build_wheel, container_sources, make_bundle, make_standins, settings
 
 
 @pytest.fixture(scope="session")
@@ -33,3 +33,16 @@ def make_cluster(tmp_path: Path, standins: Path, wheels: dict[str, Path], source
         bundle_kwargs.setdefault("package_hash", "pkg0001")
         return Cluster(base, make_bundle(base / "bundle", wheels, **bundle_kwargs), standins, sources)
     return make
+
+
+@pytest.fixture(scope="session")
+def lifecycle_bucket(s3_endpoint) -> str:
+    """This cluster's lifecycle bucket (platform-settings.json lifecycle_bucket) on the loopback S3:
+    the only bucket the rollout accepts."""
+    import boto3
+
+    name = settings("x")["lifecycle_bucket"]
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    if name not in {b["Name"] for b in s3.list_buckets()["Buckets"]}:
+        s3.create_bucket(Bucket=name)
+    return name

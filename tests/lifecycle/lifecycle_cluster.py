@@ -38,6 +38,7 @@ import sys
 import tarfile
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,7 +84,8 @@ STANDINS = {
     # run/standin-units/UNIT.show (a unit that is not there: LoadState=not-found).
     # enable/disable/is-enabled: the real systemctl on the node's root (--root), which makes
     # the [Install] links. daemon-reload: nothing to reload (no manager here).
-    # start --no-block sana-*: queued, run on its own (node_model.py). Every other verb fails:
+    # start --no-block sana-*: queued, run on its own (node_model.py); start sana-*.timer: the
+    # timer is armed, its service runs when the test fires it (node_model.fire_timer). Every other verb fails:
     # the lifecycle must never start, stop or restart the units HyperPod owns.
     "systemctl": ('verb=$1; for unit; do :; done\n'
                   'case $verb in\n'
@@ -234,6 +236,8 @@ SSHD_PAM = ("# PAM configuration for the Secure Shell service\n@include common-a
             "@include common-account\nsession [success=ok ignore=ignore module_unknown=ignore default=bad] pam_selinux.so close\n"
             "@include common-session\n@include common-password\n")
 GROUP = ("sana", 2000)
+ADMIN_GROUP = ("sana-admin", 2999)
+ADMINS = ("analyst",)  # cdk.json clusterAdmins: cluster users who may sudo
 
 ROLES = {"controller": "controller", "login": "login", "gpu": "gpu", "trn": "trn"}
 NODES = {  # instance name -> (group, CustomerIpAddress)
@@ -261,6 +265,8 @@ def settings(package_hash: str) -> dict:
         "envs": {"gpu": "/fsx/envs/gpu", "neuron": "/fsx/envs/neuron"},
         "cluster_group": {"name": GROUP[0], "gid": GROUP[1]},
         "cluster_users": [{"name": name, "uid": uid} for name, uid in USERS.items()],
+        "cluster_admins": list(ADMINS),
+        "admin_group": {"name": ADMIN_GROUP[0], "gid": ADMIN_GROUP[1]},
         "home_root": "/fsx/home",
         "slurm_accounting": False,
         "container_runtime": True,
@@ -385,12 +391,15 @@ def observability_sources(dist: Path, versions: dict[str, str] | None = None) ->
 
 
 def make_bundle(dest: Path, wheels: dict[str, Path], *, package_hash: str,
-                gpu_requirements: str | None = None, content_hash: bool = False) -> Path:
+                gpu_requirements: str | None = None, content_hash: bool = False,
+                edit_settings: Callable[[dict], None] | None = None) -> Path:
     """What HyperPod downloads from s3://<bucket>/lifecycle/<hash>/ onto every node.
 
     ``package_hash`` is the package's name and VERSION; with ``content_hash`` the settings carry
-    the real content hash instead (lifecycle_scripts/package_hash.py, what the cluster stack names
-    the prefix with and rollout.sh recomputes): ``bundle_hash(dest)`` reads it back."""
+    the real content hash instead (lifecycle_scripts/package_hash.py over the code and the node
+    settings, what the cluster stack names the prefix with and rollout.sh recomputes):
+    ``bundle_hash(dest)`` reads it back. ``edit_settings`` changes the settings first (e.g. a
+    user added in cdk.json), before the hash is taken, as the stack does."""
     shutil.copytree(SCRIPTS, dest)
     package = dest / "training"
     package.mkdir()
@@ -399,8 +408,12 @@ def make_bundle(dest: Path, wheels: dict[str, Path], *, package_hash: str,
         gpu_requirements if gpu_requirements is not None else f"# gpu env (test)\n{wheels['torch']}\n")
     (package / "requirements-neuron.txt").write_text(
         f"{wheels['torch']}\n{wheels['torch_xla']}\n{wheels['torch_neuronx']}\n")
-    name = _hash_module().package_hash(SCRIPTS, package) if content_hash else package_hash
-    (dest / "platform-settings.json").write_text(json.dumps(settings(name), indent=2))
+    data = settings(package_hash)
+    if edit_settings is not None:
+        edit_settings(data)
+    if content_hash:
+        data["package_hash"] = _hash_module().package_hash(SCRIPTS, package, data)
+    (dest / "platform-settings.json").write_text(json.dumps(data, indent=2))
     return dest
 
 
@@ -512,6 +525,14 @@ class Cluster:
             assert time.monotonic() < deadline, f"{node}: sana-node-ready.service did not finish in {timeout}s"
             time.sleep(0.2)
         return int(result.read_text())
+
+    def fire_settings_timer(self, node: str, **overrides: str) -> int:
+        """sana-settings.timer elapses on ``node`` (settings_timer.sh): its service's exit status."""
+        return node_model.fire_timer(self.root(node), "sana-settings.timer", self.env(node, **overrides))
+
+    def unit_output(self, unit: str, node: str) -> str:
+        """What a unit run by the stand-in systemd printed on ``node`` (its journal)."""
+        return (self.root(node) / node_model.MARKERS / f"{unit}.out").read_text()
 
     def status(self, node: str) -> list[str]:
         return (self.fsx / f"logs/provision/{node}.status").read_text().splitlines()

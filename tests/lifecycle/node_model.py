@@ -92,6 +92,20 @@ def queue_unit(root: Path, unit: str, env: dict[str, str]) -> None:
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def arm_timer(root: Path, timer: str) -> None:
+    """`systemctl start X.timer`: the timer is active, nothing runs until it elapses."""
+    (root / MARKERS / f"{timer}.active").touch()
+
+
+def fire_timer(root: Path, timer: str, env: dict[str, str]) -> int:
+    """The timer elapses (what the test stands for by "2 minutes later"): systemd starts the
+    unit it activates, by default "a service that has the same name as the timer unit, except
+    for the suffix" (systemd.timer(5), Unit=), if the timer is started and enabled."""
+    assert (root / MARKERS / f"{timer}.active").exists(), f"{timer} was never started on {root.name}"
+    assert timer in wanted_by(root, "timers.target"), f"{timer} is not enabled on {root.name} (no boot would start it)"
+    return run_unit(root, timer.removesuffix(".timer") + ".service", env)
+
+
 def wanted_by(root: Path, unit: str) -> list[str]:
     wants = root / UNITS / f"{unit}.wants"
     return sorted(p.name for p in wants.iterdir()) if wants.is_dir() else []
@@ -124,8 +138,11 @@ def main(argv: list[str]) -> int:
     if command == "push-config":  # nodes_dir controller
         print("reconfigured:", " ".join(push_config(Path(args[0]), args[1])) or "no running slurmd")
         return 0
-    if command == "start-unit":  # root unit: systemctl start --no-block
-        queue_unit(Path(args[0]), args[1], dict(os.environ))
+    if command == "start-unit":  # root unit: systemctl start [--no-block]
+        if args[1].endswith(".timer"):
+            arm_timer(Path(args[0]), args[1])
+        else:
+            queue_unit(Path(args[0]), args[1], dict(os.environ))
         return 0
     if command == "run-unit":  # root unit: the queued job itself
         return run_unit(Path(args[0]), args[1], dict(os.environ))

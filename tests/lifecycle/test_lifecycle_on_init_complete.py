@@ -31,14 +31,14 @@ from lifecycle_cluster import (
 )
 
 STEPS = {
-    "controller": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "containers",
+    "controller": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "sync", "profile", "containers",
                    "observability", "ready"],
-    "login": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers",
-              "observability", "ready"],
-    "gpu": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-gpu", "containers",
-            "observability", "ssh", "ready"],
-    "trn": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "profile", "env-neuron", "containers",
-            "observability", "ssh", "ready"],
+    "login": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "sync", "profile", "env-gpu",
+              "containers", "observability", "ready"],
+    "gpu": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "sync", "profile", "env-gpu",
+            "containers", "observability", "ssh", "ready"],
+    "trn": ["settings", "identity", "imds", "fsx", "dirs", "users", "package", "sync", "profile", "env-neuron",
+            "containers", "observability", "ssh", "ready"],
 }
 CONTRACT_VARS = ["SANA_ROLE", "SANA_FSX", "SANA_PLATFORM_DIR", "SANA_ENV_GPU", "SANA_ENV_NEURON",
                  "SANA_CHECKPOINT_ROOT", "SANA_LOG_ROOT", "SANA_DATA_ROOT", "SANA_RDZV_PORT",
@@ -200,10 +200,12 @@ def test_shared_directories_exist_with_their_owners_and_modes(cluster):
     expected = {"envs": (0, 0, 0o755), "platform": (0, 0, 0o755), "logs/provision": (0, 0, 0o755),
                 "data": (0, gid, 0o3775), "artefacts": (0, gid, 0o3775), "logs": (0, 0, 0o1755),
                 "logs/root": (0, 0, 0o700), "artefacts/checkpoints": (0, 0, 0o755), "cache": (0, 0, 0o755),
-                "cache/inductor": (0, 0, 0o755), "cache/neuron": (0, 0, 0o755), "home": (0, 0, 0o755)}
+                "cache/inductor": (0, 0, 0o755), "cache/neuron": (0, 0, 0o755), "home": (0, 0, 0o755),
+                # the paths the runbooks' commands use: weights an admin stages, runs by hand, exports
+                "models": (0, 0, 0o755), "runs": (0, 0, 0o755), "exports": (0, 0, 0o755)}
     # One private directory per cluster user in every tree that holds a user's runs.
     for name, uid in USERS.items():
-        for tree in ("logs", "artefacts/checkpoints", "cache/inductor", "cache/neuron"):
+        for tree in ("logs", "artefacts/checkpoints", "cache/inductor", "cache/neuron", "runs", "exports"):
             expected[f"{tree}/{name}"] = (uid, gid, 0o700)
     got = {d: ((st := (c.fsx / d).stat()).st_uid, st.st_gid, st.st_mode & 0o7777) for d in expected}
     assert got == expected
@@ -281,8 +283,27 @@ def test_accelerator_nodes_ask_their_driver(cluster):
         assert asked == expected, (node, asked)
         units = {ln for ln in calls(node).splitlines() if ln.startswith("systemctl ") and "is-active" not in ln
                  and "show " not in ln}
+        # The platform's own units only: the late check and the settings timer (settings_timer.sh).
         assert units == {"systemctl daemon-reload", "systemctl enable sana-node-ready.service",
-                         "systemctl start --no-block sana-node-ready.service"}, (node, units)
+                         "systemctl start --no-block sana-node-ready.service", "systemctl enable sana-settings.timer",
+                         "systemctl start sana-settings.timer"}, (node, units)
+
+
+@pytest.mark.parametrize("node", ["controller-1", "trn-2"])
+def test_the_settings_timer_runs_the_current_packages_sync_every_two_minutes(cluster, node):
+    """sana-settings.timer (settings_timer.sh): enabled for every boot (timers.target), started now,
+    its service running settings_sync.sh of whatever package `current` is (systemd.timer(5))."""
+    c, _, _ = cluster
+    units = c.root(node) / node_model.UNITS
+    timer = (units / "sana-settings.timer").read_text()
+    assert "OnActiveSec=30s\nOnUnitActiveSec=2min\n" in timer and "WantedBy=timers.target" in timer
+    service = (units / "sana-settings.service").read_text()
+    assert "ExecStart=/bin/bash /fsx/platform/current/lifecycle/settings_sync.sh\n" in service
+    assert "Type=oneshot" in service
+    assert "sana-settings.timer" in node_model.wanted_by(c.root(node), "timers.target")
+    assert (c.root(node) / node_model.MARKERS / "sana-settings.timer.active").exists()
+    # The boot applied the current package's settings: the first run has nothing to do.
+    assert (c.root(node) / "var/lib/sana-platform/settings-applied").read_text().strip() == "pkg0001"
 
 
 def test_the_late_check_is_a_unit_that_runs_after_the_slurm_daemon(cluster):

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from lifecycle_cluster import Cluster, bundle_hash, make_bundle, settings, upload_bundle
+from lifecycle_cluster import Cluster, bundle_hash, make_bundle, upload_bundle
 
 ROLLOUT_LINE = re.compile(r"^\S+Z \[rollout\] (ROLLED OUT|PENDING|FAILED)\b(.*)$")
 
@@ -45,19 +45,6 @@ def boot(c: Cluster) -> Cluster:
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, out[-3000:]
     return c
-
-
-@pytest.fixture(scope="module")
-def lifecycle_bucket(s3_endpoint) -> str:
-    """This cluster's lifecycle bucket (platform-settings.json lifecycle_bucket) on the loopback S3:
-    the only bucket the rollout accepts."""
-    import boto3
-
-    name = settings("x")["lifecycle_bucket"]
-    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
-    if name not in {b["Name"] for b in s3.list_buckets()["Buckets"]}:
-        s3.create_bucket(Bucket=name)
-    return name
 
 
 def upload_new(c: Cluster, wheels, endpoint: str, bucket: str, label: str, **kwargs) -> tuple[Path, str]:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 
 import pytest
-from lifecycle_cluster import GROUP, USERS
+from lifecycle_cluster import ADMIN_GROUP, ADMINS, GROUP, USERS
 from test_lifecycle_on_init_complete import failure
 
 
@@ -130,3 +131,64 @@ def test_rerun_from_the_installed_package_adds_a_new_user_on_a_running_node(make
     assert result.returncode == 0, result.stdout[-3000:]
     assert "created user carol (2003)" in result.stdout and "DONE node=login-1" in result.stdout
     assert ["carol", "x", "2003", str(GROUP[1]), "", "/fsx/home/carol", "/bin/bash"] in c.accounts("login-1")
+
+
+def test_admins_may_sudo_through_a_checked_sudoers_entry_and_nobody_else(make_cluster):
+    """clusterAdmins (analyst here) are members of the admin group on every node, and the
+    group's sudoers entry is what sudo accepts (checked with the real visudo where installed)."""
+    c = make_cluster()
+    assert c.run("login-1").returncode == 0
+    (group,) = [e for e in c.accounts("login-1", "group") if e[0] == ADMIN_GROUP[0]]
+    assert group == [ADMIN_GROUP[0], "x", str(ADMIN_GROUP[1]), ",".join(ADMINS)]
+    sudoers = c.root("login-1") / "etc/sudoers.d/sana-platform-admins"
+    st = sudoers.stat()
+    assert (st.st_uid, st.st_mode & 0o7777) == (0, 0o440)
+    rules = [line for line in sudoers.read_text().splitlines() if line and not line.startswith("#")]
+    assert rules == [f"Defaults:%{ADMIN_GROUP[0]} logfile=/var/log/sana-admin-sudo.log",
+                     f"%{ADMIN_GROUP[0]} ALL=(ALL:ALL) NOPASSWD: ALL"]
+    if shutil.which("visudo"):  # sudo's own parser (scripts/install-system-packages.sh installs sudo)
+        subprocess.run(["visudo", "-c", "-f", str(sudoers)], check=True, capture_output=True)
+    assert not list(sudoers.parent.glob(".*"))  # no temp file left where sudo reads its includes
+
+
+def test_an_admin_removed_from_the_settings_loses_the_group_at_the_next_run(make_cluster):
+    c = make_cluster()
+    assert c.run("gpu-1").returncode == 0
+    settings = c.bundle / "platform-settings.json"
+    data = json.loads(settings.read_text())
+    data["cluster_admins"] = []
+    settings.write_text(json.dumps(data))
+    result = c.run("gpu-1")
+    assert result.returncode == 0, result.stdout[-3000:]
+    (group,) = [e for e in c.accounts("gpu-1", "group") if e[0] == ADMIN_GROUP[0]]
+    assert group[3] == ""  # nobody may sudo; the accounts themselves stay
+    assert "analyst" in [e[0] for e in c.accounts("gpu-1")]
+    assert f"admin group {ADMIN_GROUP[0]} ({ADMIN_GROUP[1]}) members: none" in result.stdout
+
+
+@pytest.mark.parametrize("edit,expected", [
+    (lambda d: d.__setitem__("cluster_admins", ["mallory"]), "cluster_admins[0] = 'mallory' is not a cluster_users name"),
+    (lambda d: d.__setitem__("admin_group", {"name": "sana", "gid": 2999}),
+     "key 'admin_group' must differ from cluster_group in name and gid"),
+    (lambda d: d.__setitem__("admin_group", {"name": "ops", "gid": 2001}),
+     "key 'admin_group' (ops:2001) has a cluster user's name or uid"),
+    (lambda d: d.pop("admin_group"), "key 'admin_group' is missing"),
+])
+def test_bad_admin_settings_fail_in_the_settings_step(make_cluster, edit, expected):
+    c = make_cluster()
+    settings = c.bundle / "platform-settings.json"
+    data = json.loads(settings.read_text())
+    edit(data)
+    settings.write_text(json.dumps(data))
+    step, cause = failure(c.run("controller-1"))
+    assert step == "settings" and expected in cause, cause
+    assert not (c.root("controller-1") / "etc/sudoers.d").exists()
+
+
+def test_a_group_taking_the_admin_gid_fails_the_users_step(make_cluster):
+    c = make_cluster()
+    add_account(c.prepare("gpu-1"), group="wheel:x:2999:")
+    step, cause = failure(c.run("gpu-1"))
+    assert step == "users" and cause.startswith(
+        "GID 2999 of admin group 'sana-admin' is already used by group 'wheel' on this node; pick another GID in "
+        "clusterAdminGroup (cdk context) and redeploy"), cause

@@ -205,7 +205,7 @@ def test_through_the_boot_a_failing_part_is_a_warn_line_and_the_node_is_ready(ma
     c = make_cluster()
     settings = c.bundle / "platform-settings.json"
     data = json.loads(settings.read_text())
-    data["observability"] = {"enabled": True, "remote_write_url": REMOTE_WRITE}
+    data["observability"], data["remote_write_url"] = {"enabled": True}, REMOTE_WRITE
     settings.write_text(json.dumps(data))
     sources = observability_sources(tmp_path / "releases")
     for name in ("controller-1", "gpu-1"):

@@ -114,8 +114,8 @@ def json_rehash(bundle: Path) -> str:
 
     from lifecycle_cluster import SCRIPTS, _hash_module
 
-    h = _hash_module().package_hash(SCRIPTS, bundle / "training")
     data = json.loads((bundle / "platform-settings.json").read_text())
+    h = _hash_module().package_hash(SCRIPTS, bundle / "training", data)  # the code and the node settings
     data["package_hash"] = h
     (bundle / "platform-settings.json").write_text(json.dumps(data, indent=2))
     return h

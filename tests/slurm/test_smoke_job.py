@@ -22,7 +22,7 @@ import pytest
 from tests.conftest import xla_python
 from tests.slurm.conftest import install_package, point_current
 from tests.slurm.job_site import free_port, lay_out_fsx, make_env, write_node_profile
-from training.smoke import FAIL, PASS, checks
+from training.smoke import FAIL, PASS, SKIP, checks
 
 if TYPE_CHECKING:  # conftest modules are not importable by name (several share it)
     from tests.slurm.conftest import SlurmCluster
@@ -114,7 +114,8 @@ def test_smoke_sbatch_exits_non_zero_with_one_line_per_failure(slurm_cluster: Sl
                      r"failed: No matching distribution found for neuronx-cc==2\.24\.5133\.0; no READY status "
                      rf"for Slurm node\(s\) {slurm_cluster.node} in ", text, re.M), text
     assert re.search(r"^s3 +FAIL +s3://no-such-bucket-smoke: bucket does not exist", text, re.M), text
-    assert re.search(r"^gpu-allreduce +SKIP +partition none has 0 usable node\(s\)", text, re.M), text
+    assert re.search(r"^gpu-allreduce +SKIP +no partition none in sinfo \(no gpu group: gpuInstanceCount=0\)", text,
+                     re.M), text
     assert "SMOKE FAIL: 2 passed, 2 failed, 4 skipped" in text, text  # imds: the local path
 
 
@@ -146,3 +147,26 @@ def test_smoke_sbatch_local_path_passes_every_row(slurm_cluster: SlurmCluster, s
     assert sorted(p.name.split("-")[0] for p in log_dir.glob("*-allreduce-*.out")) == ["gpu", "trn"]
     if slurm_cluster.job_user is not None and os.getuid() == 0:
         assert log_dir.stat().st_uid == slurm_cluster.job_user.uid  # written by the user, not root
+
+
+def test_the_network_rows_fail_on_one_node_partitions_unless_declared(slurm_cluster: SlurmCluster, tmp_path: Path):
+    """The local cluster has one node in each accelerator partition, as the default deployment
+    (gpuInstanceCount=1, trnInstanceCount=1) has: real sinfo output, the cluster path (not the
+    local one). Both network rows FAIL before submitting anything; declared one-node, each
+    would run on its node alone (the NCCL/Neuron job itself needs the accelerator)."""
+    from dataclasses import replace
+
+    nodes = checks.slurm_nodes()
+    log_dir = tmp_path / "smoke-1"
+    log_dir.mkdir()
+    cfg = checks.SmokeConfig(package_root=REPO, fsx=tmp_path, log_dir=log_dir, artefacts_bucket="b", cluster="c",
+                             gpu_env=tmp_path / "envs/gpu", neuron_env=tmp_path / "envs/neuron")
+    gpu = checks.gpu_allreduce(cfg, nodes)
+    trn, versions = checks.trn_checks(cfg, nodes)
+    for row, key in ((gpu, "gpuInstanceCount"), (trn, "trnInstanceCount")):
+        assert row.verdict == FAIL and "has 1 usable node; the cross-node (EFA) check needs 2: scale " \
+            f"{key} to 2, or declare" in row.detail, row
+    assert versions.verdict == SKIP
+    assert list(log_dir.iterdir()) == []  # no job was submitted
+    declared = replace(cfg, single_node=frozenset({"gpu", "trn"}))
+    assert [checks.network_nodes(declared, nodes, kind) for kind in ("gpu", "trn")] == [1, 1]

@@ -64,6 +64,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
                    "servingModelDataUrl": "s3://sana-artefacts-123456789012-us-east-1/serving/model-ba9876543210.tar.gz"},
     "private": {"privateNetwork": "true", "slurmAccounting": "true"},
 }
+# The next deployment after a full teardown (tests/stacks/test_redeploy.py).
+VARIANTS["default_g2"] = {"deploymentGeneration": 2}
+VARIANTS["accounting_g2"] = {**VARIANTS["accounting"], "deploymentGeneration": 2}
 CLI_VARIANTS = {"gpu_only"}
 
 
@@ -75,7 +78,7 @@ class Synth:
     templates: dict[str, dict] = field(default_factory=dict)
     platform: Any = None  # stacks.platform.Platform for in-process variants
     cli_output: str = ""  # stdout+stderr of `cdk synth` for CLI variants
-    package_hash: str = ""  # of lifecycle_scripts/ + training/ at synth; "" if they changed during synth
+    package_hash: str = ""  # of lifecycle_scripts/ + training/ + node settings at synth; "" if the trees changed during synth
 
     def template(self, stack: str):
         from aws_cdk.assertions import Template
@@ -106,10 +109,8 @@ class BackgroundCliSynth:
     """`cdk synth` of a CLI variant in a child process, started early so it overlaps the in-process synth."""
 
     def __init__(self, name: str, outdir: Path) -> None:
-        from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_hash
-
         self.outdir = outdir
-        self.hash_before = package_hash(LIFECYCLE_DIR, TRAINING_DIR)
+        self.hash_before = expected_package_hash(VARIANTS[name])
         overrides = [arg for key, value in VARIANTS[name].items() for arg in ("-c", f"{key}={value}")]
         cmd, env = _cli_command("synth", "--quiet", "--no-notices", "--output", str(outdir), *overrides)
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -155,11 +156,25 @@ def stand_in_wheelhouse(root: Path, kind: str, names: tuple[str, ...] = ("torch"
     return wheelhouse.finish(incoming, kind=kind, target=wheelhouse.Target(), root=root).path
 
 
-def _synth(name: str, outdir: Path) -> Synth:
-    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_hash
+def expected_package_hash(context: dict[str, Any], wheelhouse_root: Path | None = None) -> str:
+    """The package hash of the tree now, for a variant's configuration (code + node settings)."""
+    from stacks.cluster import deployment_package_hash
+    from stacks.platform import PlatformConfig, cdk_json_context
 
+    config = PlatformConfig.from_context({**cdk_json_context(), **context})
+    if wheelhouse_root is None:
+        return deployment_package_hash(config)
+    return deployment_package_hash(config, wheelhouse_root=wheelhouse_root)
+
+
+def _synth(name: str, outdir: Path) -> Synth:
     context = VARIANTS[name]
-    expected_hash = package_hash(LIFECYCLE_DIR, TRAINING_DIR)
+    wheelhouses = None
+    if context.get("privateNetwork"):
+        wheelhouses = outdir.parent / f"{outdir.name}-wheelhouses"
+        for kind in ("gpu", "neuron"):
+            stand_in_wheelhouse(wheelhouses, kind)
+    expected_hash = expected_package_hash(context, wheelhouses)
     cli_output = ""
     if name in CLI_VARIANTS:
         job = _BACKGROUND[name]
@@ -168,14 +183,9 @@ def _synth(name: str, outdir: Path) -> Synth:
     else:
         from stacks.platform import build_app
 
-        wheelhouses = None
-        if context.get("privateNetwork"):
-            wheelhouses = outdir.parent / f"{outdir.name}-wheelhouses"
-            for kind in ("gpu", "neuron"):
-                stand_in_wheelhouse(wheelhouses, kind)
         platform = build_app(context, outdir=str(outdir), wheelhouse_root=wheelhouses)
         platform.app.synth()
-    if package_hash(LIFECYCLE_DIR, TRAINING_DIR) != expected_hash:
+    if expected_package_hash(context, wheelhouses) != expected_hash:
         expected_hash = ""  # edited while synthesizing (several engineers share this checkout)
     synth = Synth(name=name, outdir=outdir, context=context,
                   platform=None if name in CLI_VARIANTS else platform, package_hash=expected_hash,

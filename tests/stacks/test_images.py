@@ -1,4 +1,5 @@
-"""ECR repositories for the training images (stacks/images.py) as synthesized."""
+"""ECR repositories for the training images (stacks/images.py) as synthesized: in the storage
+stack, kept with the data; the registry login on the execution role in the cluster stack."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from stacks.images import IMAGE_KINDS, KEEP_UNTAGGED, PULL_ACTIONS
 
 
 def _repos(synth) -> dict[str, dict]:
-    return {res["Properties"]["RepositoryName"]: res for res in synth.resources("Cluster", "AWS::ECR::Repository").values()}
+    return {res["Properties"]["RepositoryName"]: res for res in synth.resources("Storage", "AWS::ECR::Repository").values()}
 
 
 def _execution_role_id(synth) -> str:
@@ -19,16 +20,14 @@ def _execution_role_id(synth) -> str:
 
 
 def test_one_repository_per_image_scanned_immutable_kms_with_the_platform_key(default):
-    from test_templates import platform_key_import
-
     repos = _repos(default)
     assert set(repos) == {f"sana/sana-{kind}" for kind in IMAGE_KINDS}
-    key = platform_key_import(default)
+    (key,) = default.resources("Storage", "AWS::KMS::Key")  # the platform key, in the same stack
     for res in repos.values():
         props = res["Properties"]
         assert props["ImageScanningConfiguration"] == {"ScanOnPush": True}
         assert props["ImageTagMutability"] == "IMMUTABLE"
-        assert props["EncryptionConfiguration"] == {"EncryptionType": "KMS", "KmsKey": key}
+        assert props["EncryptionConfiguration"] == {"EncryptionType": "KMS", "KmsKey": {"Fn::GetAtt": [key, "Arn"]}}
         assert res["DeletionPolicy"] == "Retain"  # dataRemovalPolicy=retain (cdk.json default)
 
 
@@ -42,13 +41,19 @@ def test_lifecycle_rule_expires_untagged_images_beyond_the_last_n(default):
 
 
 def test_only_the_cluster_execution_role_may_pull(default):
-    role = _execution_role_id(default)
+    """Named by its fixed ARN (the cluster stack creates the role after the repositories)."""
+    from test_templates import _render
+
+    refs = {"AWS::Partition": "aws", "AWS::AccountId": "123456789012", "AWS::Region": "us-east-1"}
+    (role,) = [res for rid, res in default.resources("Cluster", "AWS::IAM::Role").items()
+               if rid == _execution_role_id(default)]
+    role_arn = f"arn:aws:iam::123456789012:role/{_render(role['Properties']['RoleName'], refs)}"
     for name, res in _repos(default).items():
         (statement,) = res["Properties"]["RepositoryPolicyText"]["Statement"]
         assert statement["Effect"] == "Allow"
-        assert statement["Principal"] == {"AWS": {"Fn::GetAtt": [role, "Arn"]}}, name
+        assert _render(statement["Condition"]["ArnEquals"]["aws:PrincipalArn"], refs) == role_arn, name
+        assert _render(statement["Principal"]["AWS"], refs) == "arn:aws:iam::123456789012:root"
         assert sorted(statement["Action"]) == sorted(PULL_ACTIONS)
-        assert "*" not in json.dumps(statement["Principal"])
 
 
 def test_execution_role_may_log_in_to_the_registry(default):
@@ -59,6 +64,6 @@ def test_execution_role_may_log_in_to_the_registry(default):
     assert {"Sid": "EcrLogin", "Effect": "Allow", "Action": "ecr:GetAuthorizationToken", "Resource": "*"} in statements
 
 
-def test_repository_uris_are_outputs(default):
-    outputs = default.templates["Cluster"]["Outputs"]
-    assert {"GpuImageRepositoryUri", "NeuronImageRepositoryUri"} <= set(outputs)
+def test_repository_uris_are_outputs_of_the_stack_that_keeps_them(default):
+    assert {"GpuImageRepositoryUri", "NeuronImageRepositoryUri"} <= set(default.templates["Storage"]["Outputs"])
+    assert not default.resources("Cluster", "AWS::ECR::Repository")

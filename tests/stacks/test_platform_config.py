@@ -115,6 +115,24 @@ BAD = [
     ({"clusterGroup": "sana:1001"}, "invalid context value clusterGroup='sana:1001': group id 1001 is reserved"),
     ({"clusterGroup": "docker:3000"}, "invalid context value clusterGroup='docker:3000': group name 'docker' already"),
     ({"clusterGroup": "sana"}, "invalid context value clusterGroup='sana': allowed: group specs written name:id"),
+    # admins: cluster users with sudo, through a group of their own
+    ({"clusterAdmins": "mallory"}, "invalid context value clusterAdmins='mallory': not a clusterUsers name (an "
+                                   "admin is a cluster user who may sudo); allowed: researcher"),
+    ({"clusterUsers": "ana:2001,ben:2002", "clusterAdmins": ["ana", "ana"]},
+     "invalid context value clusterAdmins='ana': listed twice; allowed: each name once"),
+    ({"clusterAdminGroup": "sana:2999"}, "invalid context value clusterAdminGroup='sana:2999': is clusterGroup's name"),
+    ({"clusterAdminGroup": "ops:2000"}, "invalid context value clusterAdminGroup='ops:2000': is clusterGroup's gid"),
+    ({"clusterAdminGroup": "ops:2001"}, "invalid context value clusterAdminGroup='ops:2001': user researcher has that uid"),
+    ({"clusterAdminGroup": "researcher:2999"},
+     "invalid context value clusterAdminGroup='researcher:2999': user researcher has that name"),
+    ({"clusterAdminGroup": "sudo:2999"}, "invalid context value clusterAdminGroup='sudo:2999': group name 'sudo' already"),
+    ({"clusterAdminGroup": "ops:999"}, "invalid context value clusterAdminGroup='ops:999': group id 999 is reserved"),
+    # the generation of a redeploy after a full teardown
+    ({"deploymentGeneration": "0"}, "invalid context value deploymentGeneration=0: allowed: an integer from 1 to 99"),
+    ({"deploymentGeneration": "100"}, "invalid context value deploymentGeneration=100: allowed: an integer from 1 to 99"),
+    ({"projectName": "a" * 18, "deploymentGeneration": "2"},
+     "invalid context value deploymentGeneration=2: projectName with its generation is 'aaaaaaaaaaaaaaaaaa-g2', "
+     "over 20 characters"),
     ({"containerRuntime": "maybe"}, "invalid context value containerRuntime='maybe': allowed: true or false"),
     ({"continuousProvisioning": "sometimes"},
      "invalid context value continuousProvisioning='sometimes': allowed: true or false"),
@@ -177,3 +195,18 @@ def test_accounting_subnets_are_two_27s_after_the_nat_subnet():
     assert cfg.accounting_subnet_cidrs == ("10.0.128.32/27", "10.0.128.64/27")
     small = PlatformConfig(vpcCidr="10.20.0.0/22")
     assert small.accounting_subnet_cidrs == ("10.20.2.32/27", "10.20.2.64/27")
+
+
+def test_admins_and_their_group_reach_the_node_settings():
+    cfg = PlatformConfig.from_context({"clusterUsers": "ana:2001,ops-ana:2101", "clusterAdmins": "ops-ana",
+                                       "clusterAdminGroup": "wheelers:2998"})
+    settings = cfg.node_settings()
+    assert settings["cluster_admins"] == ["ops-ana"]
+    assert settings["admin_group"] == {"name": "wheelers", "gid": 2998}
+    assert PlatformConfig().node_settings()["cluster_admins"] == []
+
+
+def test_generation_one_keeps_the_first_deployments_names_and_later_ones_add_it():
+    assert PlatformConfig().retained_prefix == "sana"
+    assert PlatformConfig(deploymentGeneration=3).retained_prefix == "sana-g3"
+    assert PlatformConfig(projectName="a" * 16, deploymentGeneration=99).retained_prefix == "a" * 16 + "-g99"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 from aws_cdk.assertions import Match
@@ -260,21 +263,26 @@ def _render(value, refs):
     return sep.join(_render(p, refs) for p in parts)
 
 
-def test_platform_settings_json_follows_the_contract(default):
-    (settings_file,) = default.outdir.glob("asset.*/platform-settings.json")
-    (scripts,) = [d for d in default.resources("Cluster", "Custom::CDKBucketDeployment").values()
+def deployed_settings(synth, refs: dict[str, str]) -> dict:
+    """platform-settings.json as the deployment handler writes it to S3 (markers replaced)."""
+    (settings_file,) = synth.outdir.glob("asset.*/platform-settings.json")
+    (scripts,) = [d for d in synth.resources("Cluster", "Custom::CDKBucketDeployment").values()
                   if "SourceMarkers" in d["Properties"]]
     # Deploy-time values (bucket names, region) are markers the deployment handler replaces.
     text = settings_file.read_text()
-    refs = {"AWS::AccountId": "123456789012", "AWS::Region": "us-east-1", "AWS::URLSuffix": "amazonaws.com"}
+    refs = {"AWS::URLSuffix": "amazonaws.com", **refs}
     # The observability stack's workspace endpoint (its PrometheusEndpoint ends with a slash).
-    (export,) = [out["Export"]["Name"] for out in default.templates["Observability"]["Outputs"].values()
+    (export,) = [out["Export"]["Name"] for out in synth.templates["Observability"]["Outputs"].values()
                  if "Export" in out and "PrometheusEndpoint" in json.dumps(out["Value"])]
-    refs[export] = "https://aps-workspaces.us-east-1.amazonaws.com/workspaces/ws-0123/"
+    refs[export] = f"https://aps-workspaces.{refs['AWS::Region']}.amazonaws.com/workspaces/ws-0123/"
     for markers in scripts["Properties"]["SourceMarkers"]:
         for marker, value in markers.items():
             text = text.replace(marker, _render(value, refs))
-    settings = json.loads(text)
+    return json.loads(text)
+
+
+def test_platform_settings_json_follows_the_contract(default):
+    settings = deployed_settings(default, {"AWS::AccountId": "123456789012", "AWS::Region": "us-east-1"})
     h = deployed_hash(default)
     assert settings == {
         "project": "sana", "cluster_name": "sana-hyperpod", "region": "us-east-1", "fsx_mount": "/fsx",
@@ -288,15 +296,34 @@ def test_platform_settings_json_follows_the_contract(default):
         "envs": {"gpu": "/fsx/envs/gpu", "neuron": "/fsx/envs/neuron"},
         "cluster_group": {"name": "sana", "gid": 2000},
         "cluster_users": [{"name": "researcher", "uid": 2001}],
+        "cluster_admins": [],
+        "admin_group": {"name": "sana-admin", "gid": 2999},
         "home_root": "/fsx/home",
         "slurm_accounting": False,
         "container_runtime": True,
         "private_network": False,
         "image_registry": "123456789012.dkr.ecr.us-east-1.amazonaws.com",
         "wheelhouses": {},
-        "observability": {"enabled": True, "remote_write_url":
-                          "https://aps-workspaces.us-east-1.amazonaws.com/workspaces/ws-0123/api/v1/remote_write"},
+        "observability": {"enabled": True},
+        "remote_write_url": "https://aps-workspaces.us-east-1.amazonaws.com/workspaces/ws-0123/api/v1/remote_write",
     }
+
+
+@pytest.mark.parametrize("region", ["us-east-1", "eu-west-1"])
+def test_the_node_recomputes_the_prefix_hash_from_what_s3_holds(default, tmp_path, region):
+    """What rollout.sh checks on a fetched prefix: the uploaded scripts, training/ and the
+    settings file as S3 holds it (deploy-time values resolved, in any account and region)
+    hash, by the node's own package_hash.py, to the name of the prefix."""
+    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR
+
+    lifecycle, training = tmp_path / "lifecycle", tmp_path / "training"
+    shutil.copytree(LIFECYCLE_DIR, lifecycle)
+    shutil.copytree(TRAINING_DIR, training)
+    settings = deployed_settings(default, {"AWS::AccountId": "210987654321", "AWS::Region": region})
+    (lifecycle / "platform-settings.json").write_text(json.dumps(settings))
+    node_hash = subprocess.run([sys.executable, "-I", str(lifecycle / "package_hash.py"), str(lifecycle),
+                                str(training)], capture_output=True, text=True, check=True).stdout.strip()
+    assert node_hash == settings["package_hash"] == deployed_hash(default)
 
 
 def test_execution_role_tags_node_interfaces_as_the_reference_policy_does(default):
@@ -353,16 +380,20 @@ def test_no_accounting_resources_by_default(default):
 
 
 def test_outputs(default):
-    outputs = set(default.templates["Cluster"]["Outputs"]) | set(default.templates["Storage"]["Outputs"])
-    assert {"ClusterName", "ClusterArn", "DataBucket", "ArtefactsBucket", "LifecycleBucket", "LifecycleUri",
-            "FsxDnsName", "FsxMountName", "FeaturesUri", "CheckpointMirrorUri", "NeuronCompileCacheUri"} <= outputs
+    """Every output is one the runbooks use (tests/docs/test_runbooks.py checks the other way)."""
+    assert set(default.templates["Cluster"]["Outputs"]) == {
+        "ClusterName", "ClusterArn", "DataBucket", "ArtefactsBucket", "LifecycleBucket", "LifecycleUri",
+        "FeaturesUri", "CheckpointsUri"}
+    assert {"FsxDnsName", "FsxMountName", "FsxFileSystemId", "GpuImageRepositoryUri",
+            "NeuronImageRepositoryUri"} <= set(default.templates["Storage"]["Outputs"])
 
 
 def test_uploaded_files_are_exactly_the_hashed_files(default):
     """The asset's exclusions (CDK globs) and package_hash's must agree, or the hash would lie."""
-    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_files, package_hash
+    from stacks.cluster import LIFECYCLE_DIR, TRAINING_DIR, package_files
+    from tests.stacks.conftest import expected_package_hash
 
-    if not default.package_hash or package_hash(LIFECYCLE_DIR, TRAINING_DIR) != default.package_hash:
+    if not default.package_hash or expected_package_hash(default.context) != default.package_hash:
         skip_or_fail("lifecycle_scripts/ or training/ changed since the synth (shared checkout)",
                      required_by="SANA_REQUIRE_ALL")
     assets = [d for d in default.outdir.glob("asset.*") if d.is_dir()]

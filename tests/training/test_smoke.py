@@ -20,6 +20,7 @@ import boto3
 import pytest
 
 from tests.conftest import xla_python
+from training.errors import UserError
 from training.smoke import FAIL, PASS, SKIP, WARN, Row, checks, exit_code, render
 from training.smoke.parse import (
     NodeState,
@@ -479,3 +480,73 @@ def test_imds_row_passes_when_refused_fails_when_reached_and_skips_off_ec2(monke
     assert checks.imds_row("127.0.0.1", port, local=True).verdict == SKIP  # tests: no provisioned node
     monkeypatch.setattr(checks.os, "getuid", lambda: 0)
     assert checks.imds_row("127.0.0.1", port).verdict == SKIP
+
+
+# --------------------------------------------------------------------------- one-node partitions
+
+def smoke_cfg(**over) -> checks.SmokeConfig:
+    return checks.SmokeConfig(package_root=REPO, fsx=Path("/fsx"), log_dir=Path("/fsx/logs/u/smoke-1"),
+                              artefacts_bucket="b", cluster="c", gpu_env=Path("/fsx/envs/gpu"),
+                              neuron_env=Path("/fsx/envs/neuron"), **over)
+
+
+# The default deployment (cdk.json: gpuInstanceCount=1, trnInstanceCount=1), as sinfo lists it.
+ONE_EACH = parse_sinfo("gpu*|gpu-1|idle|none|192|2000000\ntrn|trn-1|idle|none|128|500000\n")
+
+
+@pytest.mark.parametrize("kind", ["gpu", "trn"])
+def test_a_one_node_partition_fails_its_network_row_unless_declared(kind):
+    """A SKIP would let a cluster whose EFA never carried a byte pass the smoke job."""
+    partition = kind
+    plan = checks.network_nodes(smoke_cfg(), ONE_EACH, kind)
+    count_key = {"gpu": "gpuInstanceCount", "trn": "trnInstanceCount"}[kind]
+    assert plan == (f"FAIL: partition {partition} has 1 usable node; the cross-node (EFA) check needs 2: scale "
+                    f"{count_key} to 2, or declare the one-node partition with SANA_SMOKE_SINGLE_NODE={partition} "
+                    "(the row then checks that node alone and says EFA was not proven)")
+    assert checks.network_nodes(smoke_cfg(single_node=frozenset({partition})), ONE_EACH, kind) == 1
+    two = parse_sinfo(f"{partition}|a|idle|none|8|1000\n{partition}|b|mixed|none|8|1000\n")
+    assert checks.network_nodes(smoke_cfg(), two, kind) == 2
+    assert checks.network_nodes(smoke_cfg(single_node=frozenset({partition})), two, kind) == 2
+    down = parse_sinfo(f"{partition}|a|idle|none|8|1000\n{partition}|b|down*|none|8|1000\n")
+    assert checks.network_nodes(smoke_cfg(), down, kind).startswith(f"FAIL: partition {partition} has 1 usable")
+
+
+def test_a_partition_the_cluster_does_not_have_is_skipped_not_failed():
+    gpu_only = parse_sinfo("gpu|gpu-1|idle|none|192|2000000\ngpu|gpu-2|idle|none|192|2000000\n")
+    assert checks.network_nodes(smoke_cfg(), gpu_only, "trn") == \
+        "SKIP: no partition trn in sinfo (no trn group: trnInstanceCount=0)"
+    rows = checks.trn_checks(smoke_cfg(), gpu_only)
+    assert [(r.check, r.verdict) for r in rows] == [("trn-allreduce", SKIP), ("neuron-versions", SKIP)]
+
+
+def test_the_rows_fail_without_submitting_anything_on_an_undeclared_one_node_partition():
+    """No sbatch is run (none exists here): the verdict comes before any job."""
+    (gpu,) = [checks.gpu_allreduce(smoke_cfg(), ONE_EACH)]
+    assert (gpu.check, gpu.verdict) == ("gpu-allreduce", FAIL)
+    trn, versions = checks.trn_checks(smoke_cfg(), ONE_EACH)
+    assert (trn.verdict, versions.verdict) == (FAIL, SKIP)
+    assert versions.detail == "not run: no Trainium job (see the trn-allreduce row)"
+    assert exit_code([gpu, trn, versions]) == 1
+
+
+def test_a_declared_one_node_partition_passes_saying_efa_was_not_proven():
+    line = allreduce_line(nodes=["gpu-1"], world_size=8)
+    row = checks.gpu_allreduce_row(0, line, "f", local=False, single_node=True)
+    assert row.verdict == PASS and row.detail.startswith("8 ranks on 1 node(s) (declared one-node partition), busbw")
+    assert row.detail.endswith("cross-node EFA NOT proven")
+    assert checks.gpu_allreduce_row(0, line, "f", local=False).verdict == FAIL  # undeclared: 2 nodes needed
+    one = trn_output({"trn-1": neuron_host()}, {**TRN_RESULT, "world_size": 32, "backend": {"neuron": True, "per_node": 32}})
+    versions, trn = checks.trn_rows(0, one, "f", REQUIREMENTS, local=False, single_node=True)
+    assert versions.verdict == PASS and trn.verdict == PASS
+    assert trn.detail.startswith("32 NeuronCores on 1 node (declared one-node partition)")
+    assert trn.detail.endswith("cross-node EFA NOT proven")
+
+
+def test_the_declaration_names_partitions_the_job_checks():
+    from training.smoke.__main__ import single_node_partitions
+
+    assert single_node_partitions({"SANA_SMOKE_SINGLE_NODE": "gpu, trn"}) == {"gpu", "trn"}
+    assert single_node_partitions({}) == frozenset()
+    with pytest.raises(UserError, match=r"^SANA_SMOKE_SINGLE_NODE=p5: p5 is not a partition this job checks; "
+                                        r"allowed: gpu, trn \(comma-separated\)$"):
+        single_node_partitions({"SANA_SMOKE_SINGLE_NODE": "p5"})

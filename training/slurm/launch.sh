@@ -210,7 +210,7 @@ instance_type() {
 
 # The content hash a package is installed under: the lifecycle copies it to
 # <fsx>/platform/<hash>/training (lifecycle_scripts/install_package.sh; the hash is
-# stacks/cluster.py package_hash of lifecycle_scripts/ + training/). Elsewhere (a checkout) the
+# stacks/cluster.py package_hash of lifecycle_scripts/ + training/ + the node settings). Elsewhere (a checkout) the
 # sha256 of the training/ tree's files, prefixed "tree-" so it is never mistaken for one.
 package_hash_of() {
   local root=$1

@@ -160,7 +160,19 @@ def config_from_env(local: bool) -> checks.SmokeConfig:
         gpu_partition=env.get("SANA_SMOKE_GPU_PARTITION", "gpu"),
         trn_partition=env.get("SANA_SMOKE_TRN_PARTITION", "trn"),
         gpu_sbatch_args=tuple(shlex.split(env.get("SANA_SMOKE_GPU_SBATCH", "--gres=gpu:8"))),
-        local=local, job_timeout_s=float(env.get("SANA_SMOKE_JOB_TIMEOUT_S", "1800")))
+        local=local, job_timeout_s=float(env.get("SANA_SMOKE_JOB_TIMEOUT_S", "1800")),
+        single_node=single_node_partitions(env))
+
+
+def single_node_partitions(env) -> frozenset[str]:
+    """SANA_SMOKE_SINGLE_NODE: partitions declared one-node (comma-separated), one of those the job checks."""
+    checked = (env.get("SANA_SMOKE_GPU_PARTITION", "gpu"), env.get("SANA_SMOKE_TRN_PARTITION", "trn"))
+    declared = frozenset(p.strip() for p in env.get("SANA_SMOKE_SINGLE_NODE", "").split(",") if p.strip())
+    unknown = sorted(declared - set(checked))
+    if unknown:
+        raise UserError(f"SANA_SMOKE_SINGLE_NODE={env['SANA_SMOKE_SINGLE_NODE']}: {', '.join(unknown)} is not a "
+                        f"partition this job checks; allowed: {', '.join(checked)} (comma-separated)")
+    return declared
 
 
 def _guard(name: str, fn, *args) -> list[Row]:
