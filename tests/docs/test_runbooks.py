@@ -223,9 +223,10 @@ NOT_OUTPUTS = {
     "SecretArn": "ClusterAccountingDatabase.SecretArn of AWS::SageMaker::Cluster",
     "KmsKeyId": "the KMS key property of several AWS resources",
     "VolumeKmsKeyId": "ClusterEbsVolumeConfig.VolumeKmsKeyId of AWS::SageMaker::Cluster",
+    "ImageId": "ClusterInstanceGroup.ImageId of AWS::SageMaker::Cluster (a custom AMI)",
 }
 OUTPUT_SHAPE = re.compile(r"(?:`|<)([A-Z][a-z0-9]+(?:[A-Z0-9][a-z0-9]*)*(?:Bucket|Uri|Name|Arn|Id|Url))(?:`|>)")
-STACK_OUTPUT = re.compile(r"\b(network|storage|cluster|serving) stack(?:'s)? outputs? `([A-Za-z0-9]+)`")
+STACK_OUTPUT = re.compile(r"\b(network|storage|cluster|serving|observability) stack(?:'s)? outputs? `([A-Za-z0-9]+)`")
 
 
 @functools.cache
@@ -239,9 +240,10 @@ def _stack_outputs() -> dict[str, str]:
     from stacks.platform import build_app
 
     platform = build_app({"slurmAccounting": "true", "serving": "true", "servingModelDataUrl":
-                          "s3://sana-artefacts-123456789012-us-east-1/serving/model-0123456789ab.tar.gz"})
+                          "s3://sana-artefacts-123456789012-us-east-1/serving/model-0123456789ab.tar.gz",
+                          "grafana": "true", "mlflowTrackingServer": "true"})
     outputs = {}
-    for stack in (platform.network, platform.storage, platform.cluster, platform.serving):
+    for stack in (platform.network, platform.storage, platform.cluster, platform.serving, platform.observability):
         kind = stack.stack_name.rsplit("-", 1)[1]
         for construct in stack.node.find_all():
             if isinstance(construct, cdk.CfnOutput):
@@ -282,12 +284,13 @@ USER_PLACEHOLDERS = ("<user>", "$USER", "${USER}", "%u", "$(whoami)")
 @functools.cache
 def _fsx_top_dirs() -> frozenset[str]:
     """Top-level directories of FSx the lifecycle creates (shared_dirs.sh, container_runtime.sh,
-    the users' homes) and the two data repository associations (stacks/storage.py)."""
+    observability.sh, wheelhouse.sh, the users' homes) and the two data repository associations
+    (stacks/storage.py)."""
     from stacks.config import HOME_ROOT
     from stacks.storage import FSX_ARTEFACTS_PATH, FSX_DATA_PATH
 
     made = set()
-    for script in ("shared_dirs.sh", "container_runtime.sh"):
+    for script in ("shared_dirs.sh", "container_runtime.sh", "observability.sh", "wheelhouse.sh"):
         for line in (REPO / "lifecycle_scripts" / script).read_text().splitlines():
             match = re.match(r'\s*safe_fs dir "\$FSX" \S+ \S+ (.+)$', line)
             if match:

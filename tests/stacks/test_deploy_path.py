@@ -91,7 +91,8 @@ def test_a_lean_venv_synthesizes_and_audits_without_the_training_stack(tmp_path)
                            capture_output=True, text=True, timeout=1800)
     assert audit.returncode == 0, (audit.stdout + audit.stderr)[-4000:]
     assert {p.name for p in out.glob("*.template.json")} == {
-        "sana-network.template.json", "sana-storage.template.json", "sana-cluster.template.json"}
+        "sana-network.template.json", "sana-storage.template.json", "sana-cluster.template.json",
+        "sana-observability.template.json"}
     assert "AUDIT PASSED: no open findings" in audit.stdout, audit.stdout[-2000:]
     # What `make teardown` runs after its destroys works there too.
     kept = subprocess.run([str(python), "-m", "stacks.cost", "kept", "--after", "teardown"], cwd=REPO, env=env,
