@@ -113,7 +113,7 @@ def wheelhouse(tmp_path_factory, requirements, index) -> wh.Wheelhouse:
 def node(tmp_path: Path, standins: Path, requirements: Path, wheelhouse: wh.Wheelhouse, *, private: bool,
          wheelhouse_settings: dict | None = None) -> dict[str, str]:
     """A gpu node after the package step: the package (requirements + its platform-settings.json) on
-    FSx, the lifecycle bucket with the uploaded wheelhouse, the env settings.sh would export."""
+    FSx as the cluster's current one, the lifecycle bucket with the uploaded wheelhouse, the env settings.sh would export."""
     fsx = tmp_path / "fsx"
     (fsx / "envs/.locks").mkdir(parents=True)
     package = fsx / "platform" / PACKAGE
@@ -123,6 +123,7 @@ def node(tmp_path: Path, standins: Path, requirements: Path, wheelhouse: wh.Whee
     node_settings = {**settings(PACKAGE), "private_network": private,
                      "wheelhouses": {"gpu": wheelhouse_settings or wheelhouse.settings()} if private else {}}
     (package / "lifecycle/platform-settings.json").write_text(json.dumps(node_settings))
+    (fsx / "platform" / "current").symlink_to(PACKAGE)  # what install_package.sh leaves on a new cluster
     bucket = tmp_path / "s3" / BUCKET
     shutil.copytree(wheelhouse.path, bucket / wheelhouse.prefix)
     return {**pip_env(), "PATH": f"{standins}:{os.environ['PATH']}", "PLATFORM_ROOT": str(tmp_path / "root"),
