@@ -371,10 +371,7 @@ def test_resize_is_sanas_cover_then_crop_with_its_filter():
 
     for (h, w), target in [((1000, 777), (544, 448)), ((333, 1000), (256, 992)), ((4096, 100), (1024, 256))]:
         th, tw = target
-        if th / h > tw / w:
-            want = th, int(w * th / h)
-        else:
-            want = int(h * tw / w), tw
+        want = (th, int(w * th / h)) if th / h > tw / w else (int(h * tw / w), tw)
         assert cover_resize(h, w, target) == want and want[0] >= th and want[1] >= tw
     assert [resample_filter(t) for t in ("512", "1024", "2048", "square")] == ["BICUBIC", "BICUBIC", "LANCZOS",
                                                                              "BICUBIC"]
