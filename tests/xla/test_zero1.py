@@ -182,3 +182,33 @@ def test_came_zero1_state_is_the_portable_format_and_loads_back(came_steps):
     for name, entry in ps["state"].items():
         for key, value in entry.items():
             torch.testing.assert_close(again["state"][name][key], value, msg=f"{name}.{key}")
+
+
+def test_came_row_masks_are_graph_data_so_every_rank_traces_one_graph():
+    """Ranks differ only in which rows of their shard are ZeRO padding (the last ranks'). The
+    real-row mask is a transferred tensor, so rank 31 (padding) and rank 0 (none) trace the
+    same step graph: one neuronx-cc compile and one cache entry for all ranks. A mask baked
+    in as a constant (or a Python slice to the real rows) would give one graph per pattern."""
+    import torch_xla
+
+    from training.came import CAME, RowShard
+    from training.trn_smoke import step_graph_hash
+
+    device = torch_xla.device()
+
+    def traced(real_rows: int | None) -> str:
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(4, 6).to(device))
+        b = torch.nn.Parameter(torch.randn(4).to(device))
+        opt = CAME([w, b], lr=1e-2)
+        if real_rows is not None:
+            real = (torch.arange(4) < real_rows).to(device)
+            opt.shard({w: RowShard(rows=30, real=real), b: RowShard(rows=30, real=real)}, lambda ts: ts)
+        opt.init_state()
+        torch_xla.sync()
+        w.grad, b.grad = torch.randn(4, 6).to(device), torch.randn(4).to(device)
+        opt.step()
+        return step_graph_hash([w, b, *[v for s in opt.state.values() for v in s.values() if v.device.type == "xla"]])
+
+    assert traced(4) == traced(2) == traced(0)
+    assert traced(None) != traced(4)  # non-vacuity: the hash sees the sharded step's extra sums

@@ -52,6 +52,10 @@ class DataConfig:
     #: to pin and copy; the GPU backend casts to fp32 on the device, exactly; Trainium casts
     #: on the host before the transfer, so its step graph is unchanged)
     text_dtype: str = "fp32"
+    #: NVlabs Sana's ``model.multi_scale`` (true in every config under configs/sana_config/):
+    #: train on aspect-ratio buckets; features precomputed square (``--buckets square``) are
+    #: then refused at start in one line instead of silently training one shape
+    multi_scale: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str):
@@ -213,7 +217,14 @@ class FeatureLoader:
     def from_config(cls, cfg: DataConfig, *, rank: int = 0, world_size: int = 1,
                     bucket_run: int = 1) -> FeatureLoader:
         """``bucket_run``: micro-batches per optimizer step (the loop passes grad_accum_steps)."""
-        return cls(cfg.path, batch_size=cfg.batch_size, rank=rank, world_size=world_size, seed=cfg.seed,
+        source: str | FeatureIndex = cfg.path
+        if cfg.multi_scale:
+            source = FeatureIndex.load(cfg.path)
+            if not source.bucketed:
+                raise UserError(f"data.multi_scale: true (Sana's multi-scale training), but data.path {cfg.path} "
+                                "holds square crops of one shape; re-run python -m training.precompute with "
+                                "--buckets 512|1024|2048 (its default), or set data.multi_scale: false")
+        return cls(source, batch_size=cfg.batch_size, rank=rank, world_size=world_size, seed=cfg.seed,
                    cache_dir=cfg.cache_dir, prefetch=cfg.prefetch, verify=cfg.verify, pin_memory=cfg.pin_memory,
                    fixed_bucket_steps=cfg.fixed_bucket_steps, bucket_run=bucket_run, text_dtype=cfg.text_dtype)
 
