@@ -17,8 +17,9 @@ projection (``PixArtAlphaTextProjection``: linear-GELU-linear) and ``caption_nor
 are a prefix of every row (training/data.py collate writes ``mask[row, :n] = 1``), so
 keeping the first ``L >= longest`` columns keeps all of them. The objective's null encoding
 (caption dropout) is cut to the same length (training/objective.py): a dropped caption keeps
-its own mask, so only its first ``len(caption) <= L`` null rows are attended, and the trim
-never goes below the null caption's own real tokens either (``floor``).
+its own mask, so only its first ``len(caption) <= L`` null rows are attended (the trim is
+exact for dropped captions too); ``floor`` keeps the trim at or above a minimum length
+(the loop passes the null caption's own real tokens).
 tests/training/test_text_trim.py checks loss and gradients on a trimmed batch against the
 untrimmed one.
 
