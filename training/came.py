@@ -83,6 +83,32 @@ class RowShard:
     real: torch.Tensor
 
 
+def flat_reduce(all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Reduce:
+    """A ``Reduce`` that sends its tensors as ONE flat tensor through ``all_reduce`` (a SUM
+    over the group, returning the result): one collective per phase, whatever the count."""
+
+    def reduce(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat = all_reduce(torch.cat([t.reshape(-1) for t in tensors]))
+        out, at = [], 0
+        for t in tensors:
+            out.append(flat[at:at + t.numel()].view_as(t))
+            at += t.numel()
+        return out
+
+    return reduce
+
+
+def row_shards(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], shard_rows: Callable[[torch.Tensor], torch.Tensor],
+               device: torch.device) -> dict[torch.Tensor, RowShard]:
+    """``RowShard`` of each (full parameter, its shard), with ``shard_rows`` the sharder's own
+    rule applied to a column of ones (ZeRO-1's ``_shard_tensor``: pad, then this rank's
+    chunk), so the padding rows are exactly where the sharder put them. The masks are made
+    on the host and transferred: graph inputs, not constants (one step graph on every rank,
+    whose last ranks hold the padding)."""
+    return {shard: RowShard(rows=int(param.shape[0]), real=(shard_rows(torch.ones(param.shape[0])) > 0).to(device))
+            for param, shard in pairs}
+
+
 class CAME(torch.optim.Optimizer):
     """CAME over ``params`` (tensors or param-group dicts).
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from training.came import CAME, RowShard
+from training.came import CAME, flat_reduce, row_shards
 
 #: rows not divisible by 3 (padding), a 1x1 conv (factored), a 3x3 depthwise conv and a bias
 #: (full second moment), and one whose 4 rows leave rank 2 with no real row at all
@@ -25,14 +25,9 @@ def shard_rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t.chunk(world)[rank]
 
 
-def all_reduce(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+def all_reduce(flat: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(flat)
-    out, at = [], 0
-    for t in tensors:
-        out.append(flat[at:at + t.numel()].view_as(t))
-        at += t.numel()
-    return out
+    return flat
 
 
 def gather_rows(t: torch.Tensor, rows: int, world: int) -> torch.Tensor:
@@ -48,9 +43,9 @@ def main() -> None:
     full = {n: torch.nn.Parameter(torch.randn(s)) for n, s in SHAPES.items()}
     shards = {n: torch.nn.Parameter(shard_rows(p.detach().clone(), rank, world)) for n, p in full.items()}
     reference, sharded = CAME(list(full.values()), **HYPER), CAME(list(shards.values()), **HYPER)
-    sharded.shard({shards[n]: RowShard(rows=SHAPES[n][0], real=shard_rows(torch.ones(SHAPES[n][0], dtype=torch.bool),
-                                                                          rank, world))
-                   for n in SHAPES}, all_reduce)
+    # the backend's own wiring (training/backends/neuron.py _shard_came), with gloo for XLA's all-reduce
+    sharded.shard(row_shards(((full[n], shards[n]) for n in SHAPES), lambda t: shard_rows(t, rank, world),
+                             torch.device("cpu")), flat_reduce(all_reduce))
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
         for n, p in full.items():  # the same full gradient on every rank, as after a reduce-scatter

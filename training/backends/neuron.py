@@ -334,30 +334,17 @@ class NeuronBackend(Backend):
         return zero
 
     def _shard_came(self, zero: Any) -> None:
-        """Tell ZeRO's base CAME which rows of which full parameter each shard holds, and how to
-        sum over ranks (training/came.py). The real-row masks are made on the host and
-        transferred (graph inputs, not constants: the last ranks' padding differs, the step
-        graph must not), and the sums go out as one all-reduce per phase."""
+        """Tell ZeRO's base CAME which rows of which full parameter each shard holds (real-row
+        masks as graph inputs) and how to sum over the ZeRO group: one all-reduce per phase."""
         import torch_xla.core.xla_model as xm
 
-        from training.came import RowShard
+        from training.came import flat_reduce, row_shards
 
         groups = zero.sharding_groups
-
-        def all_reduce(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            flat = xm.all_reduce(xm.REDUCE_SUM, flat, groups=groups, pin_layout=False)
-            out, at = [], 0
-            for t in tensors:
-                out.append(flat[at:at + t.numel()].view_as(t))
-                at += t.numel()
-            return out
-
-        shards = {}
-        for _name, param, shard in self._zero_pairs(self._zero_model):
-            real = zero._shard_tensor(torch.ones(param.shape[0])) > 0  # ZeRO's own padding rule
-            shards[shard] = RowShard(rows=int(param.shape[0]), real=real.to(self.device))
-        zero.base_optimizer.shard(shards, all_reduce)
+        shards = row_shards(((param, shard) for _n, param, shard in self._zero_pairs(self._zero_model)),
+                            zero._shard_tensor, self.device)
+        zero.base_optimizer.shard(shards, flat_reduce(
+            lambda flat: xm.all_reduce(xm.REDUCE_SUM, flat, groups=groups, pin_layout=False)))
 
     # ----- the step -----------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
