@@ -1,15 +1,18 @@
 # Trainium training image: `python -m training.trainium` exactly as /fsx/envs/neuron runs it, from
-# the SAME pins (training/requirements-neuron.txt: Neuron SDK 2.29, torch 2.9 + torch-xla 2.9).
+# the SAME pins (training/requirements-neuron.txt: Neuron SDK 2.31.1, torch 2.9 + torch-xla 2.9).
 # Built by `make image IMAGE=neuron` (containers/image.py), run by enroot/pyxis with the host's
 # /dev/neuron* devices (runbooks/containers.md).
 #
 # Base: the AWS Neuron training DLC of the SDK release requirements-neuron.txt pins. Tag scheme
 # <torch>-neuronx-<py>-sdk<release>-<os>, e.g. 2.9.0-neuronx-py312-sdk2.27.1-ubuntu24.04 in the
 # Neuron DLC table (aws-neuron/deep-learning-containers README; docs "Neuron Deep Learning
-# Containers"); check the 2.29.0 tag exists in your region before a first build. The DLC
+# Containers"; aws/deep-learning-containers docs/src/data lists the 2.31.1 inference image,
+# 2.9-neuronx-sdk2.31.1.yml); check the 2.31.1 training tag exists in your region before a
+# first build (or pass --build-arg BASE_IMAGE=<the sdk2.29.0 tag>: pip then installs the
+# pinned 2.31.1 packages over it, but the runtime libraries stay the DLC's). The DLC
 # already carries the Neuron runtime libraries, the collectives and the EFA userspace the
 # Neuron runtime uses, so this file adds no EFA stage; the Neuron driver stays on the host.
-ARG BASE_IMAGE=public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.29.0-ubuntu24.04
+ARG BASE_IMAGE=public.ecr.aws/neuron/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.31.1-ubuntu24.04
 FROM ${BASE_IMAGE}
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]

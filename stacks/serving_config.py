@@ -26,17 +26,18 @@ LOCAL_NVME_GB: dict[str, int] = {"ml.g6.xlarge": 250, "ml.g6.2xlarge": 450}
 
 #: Inference DLC repositories and tags (aws/deep-learning-containers docs/src/data at e0ecedea:
 #: pytorch-inference-neuronx/2.9-neuronx-sdk2.29.0.yml, pytorch-inference/2.6-gpu-sagemaker.yml;
-#: rendered on github.com/aws/deep-learning-containers/blob/master/available_images.md). The
-#: Neuron image is the SDK release the Trainium env pins (training/neuron_release.py 2.29.0), so
+#: at 8a167b51: pytorch-inference-neuronx/2.9-neuronx-sdk2.31.1.yml; rendered on
+#: github.com/aws/deep-learning-containers/blob/master/available_images.md). The
+#: Neuron image is the SDK release the Trainium env pins (training/neuron_release.py 2.31.1), so
 #: graphs compiled there load in this runtime (tests/stacks/test_serving.py checks the two agree).
 #: The GPU one is the newest PyTorch *inference* image for SageMaker there (the 2.13 "pytorch"
 #: images are training-only: no inference toolkit); its support window ended 2026-06-30 in that
 #: data file: pin a newer one with -c servingImage=... when AWS publishes it.
 DLC_IMAGES: dict[str, tuple[str, str]] = {
-    "neuron": ("pytorch-inference-neuronx", "2.9.0-neuronx-py312-sdk2.29.0-ubuntu24.04"),
+    "neuron": ("pytorch-inference-neuronx", "2.9.0-neuronx-py312-sdk2.31.1-ubuntu24.04"),
     "gpu": ("pytorch-inference", "2.6.0-gpu-py312-cu124-ubuntu22.04-sagemaker"),
 }
-NEURON_DLC_SDK = "2.29.0"
+NEURON_DLC_SDK = "2.31.1"
 #: DLC registry account per region (aws/deep-learning-containers docs/reference/region_availability.md).
 DLC_ACCOUNTS: dict[str, str] = {
     "us-east-1": "763104351884", "us-east-2": "763104351884", "us-west-1": "763104351884",

@@ -22,11 +22,27 @@ State tensors are created with ``zeros_like`` of the gradient's reductions, so t
 gradient's type: plain tensors, XLA tensors or FSDP2 DTensors (whose reductions DTensor
 computes over the full tensor, so sharding does not change the math). ``step`` is a 0-d
 CPU tensor, like torch's Adam, and everything round-trips through ``state_dict``.
+
+Row-sharded (ZeRO-1, torch_xla ``ZeroRedundancyOptimizer``): each rank steps only its dim-0
+shard of every parameter (``_shard_tensor``: zero-padded to a multiple of the world size,
+then ``chunk(world)[rank]``). A shard holds whole rows, so the row statistics, the first
+moment and the unfactored second moments shard by rows exactly like Adam's moments; what
+needs every row is a *sum over rows*: the column statistics (means over rows), the mean of
+the row statistics in the rank-1 reconstruction, and the update's RMS. ``shard()`` gives
+this optimizer, per parameter shard, the full row count and a mask of its real (unpadded)
+rows as device data, plus a ``reduce`` (an all-reduce SUM over the ZeRO group); the step
+then sums those quantities over its real rows, reduces them, and divides by the full row
+count, so every rank computes the update of the unsharded CAME on its rows. The sums of all
+parameters go out together: three all-reduces per step (after the squared gradient, after
+the update, after the instability). The column statistics come out equal on every rank and
+are kept whole there (``REPLICATED_STATE``); tests/training/test_came_sharded.py checks the
+sharded step against the unsharded one over real collectives (gloo), padding included.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -41,11 +57,56 @@ def _rms(t: torch.Tensor) -> torch.Tensor:
     return t.norm(2) / (t.numel() ** 0.5)
 
 
-def _approx(row: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
-    """1/sqrt of the rank-1 reconstruction row*col/mean(row) of a (rows x cols) moment."""
-    r = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+def _approx(row: torch.Tensor, col: torch.Tensor, row_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """1/sqrt of the rank-1 reconstruction row*col/mean(row) of a (rows x cols) moment
+    (``row_mean``: the mean over every row, when ``row`` is a shard of them)."""
+    mean = row.mean(dim=-1, keepdim=True) if row_mean is None else row_mean
+    r = (row / mean).rsqrt_().unsqueeze(-1)
     c = col.unsqueeze(-2).rsqrt()
     return torch.mul(r, c)
+
+
+#: state entries that are whole on every rank under ZeRO-1 (column statistics); every other
+#: non-scalar entry is sharded by rows like the parameter
+REPLICATED_STATE = frozenset({"exp_avg_sq_col", "exp_avg_res_col"})
+
+#: all-reduce SUM of a list of tensors (returns the reduced tensors, same shapes)
+Reduce = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowShard:
+    """A parameter shard's place in the full parameter: ``rows`` = the full parameter's first
+    dimension; ``real`` = bool [shard rows], True for the rows that are not ZeRO padding."""
+
+    rows: int
+    real: torch.Tensor
+
+
+def flat_reduce(all_reduce: Callable[[torch.Tensor], torch.Tensor]) -> Reduce:
+    """A ``Reduce`` that sends its tensors as ONE flat tensor through ``all_reduce`` (a SUM
+    over the group, returning the result): one collective per phase, whatever the count."""
+
+    def reduce(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat = all_reduce(torch.cat([t.reshape(-1) for t in tensors]))
+        out, at = [], 0
+        for t in tensors:
+            out.append(flat[at:at + t.numel()].view_as(t))
+            at += t.numel()
+        return out
+
+    return reduce
+
+
+def row_shards(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], shard_rows: Callable[[torch.Tensor], torch.Tensor],
+               device: torch.device) -> dict[torch.Tensor, RowShard]:
+    """``RowShard`` of each (full parameter, its shard), with ``shard_rows`` the sharder's own
+    rule applied to a column of ones (ZeRO-1's ``_shard_tensor``: pad, then this rank's
+    chunk), so the padding rows are exactly where the sharder put them. The masks are made
+    on the host and transferred: graph inputs, not constants (one step graph on every rank,
+    whose last ranks hold the padding)."""
+    return {shard: RowShard(rows=int(param.shape[0]), real=(shard_rows(torch.ones(param.shape[0])) > 0).to(device))
+            for param, shard in pairs}
 
 
 class CAME(torch.optim.Optimizer):
@@ -72,6 +133,16 @@ class CAME(torch.optim.Optimizer):
             raise ValueError(f"CAME: eps must be two numbers, got {eps}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=tuple(eps),
                                       clip_threshold=clip_threshold, weight_decay=weight_decay))
+        self._shards: dict[torch.Tensor, RowShard] = {}
+        self._reduce: Reduce | None = None
+
+    def shard(self, shards: Mapping[torch.Tensor, RowShard], reduce: Reduce) -> None:
+        """Step ``shards`` (this optimizer's parameters, each a dim-0 shard) as rows of their
+        full parameters: sums over rows go through ``reduce`` (see the module docstring)."""
+        mine = {id(p) for group in self.param_groups for p in group["params"]}
+        if any(id(p) not in mine for p in shards):
+            raise ValueError("CAME.shard: a shard that is not one of this optimizer's parameters")
+        self._shards, self._reduce = dict(shards), reduce
 
     @staticmethod
     def _init_state(grad: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -86,58 +157,158 @@ class CAME(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(grad)
         return state
 
+    def init_state(self) -> None:
+        """Create every parameter's state now, as zeros on its device, as its first step would
+        (in fp32, the dtype the step computes in). On XLA this makes step 0 trace the steady
+        graph instead of one that also creates the state: one compile instead of two."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and not self.state.get(p):
+                    host = torch.zeros(p.shape, dtype=torch.float32)  # host zeros + one transfer each
+                    self.state[p] = {k: (v if k == "step" else v.to(p.device))
+                                     for k, v in self._init_state(host).items()}
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        items = []
         for group in self.param_groups:
-            lr, wd, clip = group["lr"], group["weight_decay"], group["clip_threshold"]
-            b1, b2, b3 = group["betas"]
-            e1, e2 = group["eps"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad
-                if grad.is_sparse:
+                if p.grad.is_sparse:
                     raise RuntimeError("CAME does not support sparse gradients")
-                if grad.dtype in (torch.float16, torch.bfloat16):
-                    grad = grad.float()
+                grad = p.grad.float() if p.grad.dtype in (torch.float16, torch.bfloat16) else p.grad
                 state = self.state[p]
                 if not state:
                     state.update(self._init_state(grad))
                 state["step"] += 1
-                factored = "exp_avg_sq_row" in state
-                shape = grad.shape
-                g = grad.reshape(shape[0], shape[1]) if factored else grad
-
-                sq = g**2 + e1
-                if factored:
-                    row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-                    row.mul_(b2).add_(sq.mean(dim=1), alpha=1.0 - b2)
-                    col.mul_(b2).add_(sq.mean(dim=0), alpha=1.0 - b2)
-                    update = _approx(row, col).mul_(g).reshape(shape)
-                else:
-                    exp_avg_sq = state["exp_avg_sq"]
-                    exp_avg_sq.mul_(b2).add_(sq, alpha=1.0 - b2)
-                    update = exp_avg_sq.rsqrt().mul_(grad)
-                update.div_((_rms(update) / clip).clamp_(min=1.0))
-
-                exp_avg = state["exp_avg"]
-                exp_avg.mul_(b1).add_(update, alpha=1.0 - b1)
-
-                if factored:
-                    res = (update - exp_avg).reshape(shape[0], shape[1]) ** 2 + e2
-                    rrow, rcol = state["exp_avg_res_row"], state["exp_avg_res_col"]
-                    rrow.mul_(b3).add_(res.mean(dim=1), alpha=1.0 - b3)
-                    rcol.mul_(b3).add_(res.mean(dim=0), alpha=1.0 - b3)
-                    update = _approx(rrow, rcol).mul_(exp_avg.reshape(shape[0], shape[1])).reshape(shape)
-                else:
-                    update = exp_avg.clone()
-
-                if wd != 0:
-                    p.add_(p, alpha=-wd * lr)
-                update.mul_(lr)
-                p.add_(-update.to(p.dtype))
+                items.append(_Item(p, group, grad, state, self._shards.get(p)))
+        # 1. squared gradient -> row / column statistics -> normalised update
+        pending = [t for it in items for t in it.second_moment()]
+        _give(items, "second_moment", self._reduced(pending))
+        pending = [t for it in items for t in it.normalise()]
+        _give(items, "normalise", self._reduced(pending))
+        # 2. first moment, instability -> its statistics -> the step
+        pending = [t for it in items for t in it.instability()]
+        _give(items, "instability", self._reduced(pending))
+        for it in items:
+            it.apply()
         return loss
+
+    def _reduced(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not tensors or self._reduce is None:
+            return tensors
+        return self._reduce(tensors)
+
+
+def _give(items: list[_Item], phase: str, reduced: list[torch.Tensor]) -> None:
+    """Hand each item back the reduced tensors it asked for in ``phase``, in order."""
+    at = 0
+    for it in items:
+        n = it.asked[phase]
+        it.received[phase] = reduced[at:at + n]
+        at += n
+
+
+class _Item:
+    """One parameter's step, in the phases the optimizer interleaves with its reductions.
+
+    Unsharded, every phase computes exactly came-pytorch's expressions (bit for bit:
+    tests/training/test_optim.py); sharded, the means over rows become sums over the real
+    rows, reduced across ranks, over the full row count."""
+
+    def __init__(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor, state: dict[str, Any],
+                 shard: RowShard | None) -> None:
+        self.p, self.group, self.grad, self.state, self.shard = p, group, grad, state, shard
+        self.shape = grad.shape
+        self.factored = "exp_avg_sq_row" in state
+        self.g = grad.reshape(self.shape[0], self.shape[1]) if self.factored else grad
+        self.asked: dict[str, int] = {}
+        self.received: dict[str, list[torch.Tensor]] = {}
+        self.update: torch.Tensor | None = None
+
+    # -- helpers -----------------------------------------------------------------------
+    def _real(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` with its padding rows zeroed (``where``, so an inf/nan there cannot leak)."""
+        real = self.shard.real.view(-1, *([1] * (t.dim() - 1)))
+        return torch.where(real, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+    def _ask(self, phase: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.asked[phase] = len(tensors)
+        return tensors
+
+    def _numel(self) -> int:
+        return self.shard.rows * (self.grad.numel() // self.shape[0])
+
+    # -- phases ------------------------------------------------------------------------
+    def second_moment(self) -> list[torch.Tensor]:
+        b2 = self.group["betas"][1]
+        self.sq = self.g**2 + self.group["eps"][0]
+        if not self.factored:
+            return self._ask("second_moment", [])
+        row = self.state["exp_avg_sq_row"]
+        row.mul_(b2).add_(self.sq.mean(dim=1), alpha=1.0 - b2)  # whole rows: local either way
+        if self.shard is None:
+            return self._ask("second_moment", [])
+        return self._ask("second_moment", [self._real(self.sq).sum(dim=0), self._real(row).sum().reshape(1)])
+
+    def normalise(self) -> list[torch.Tensor]:
+        b2 = self.group["betas"][1]
+        if self.factored:
+            row, col = self.state["exp_avg_sq_row"], self.state["exp_avg_sq_col"]
+            if self.shard is None:
+                col.mul_(b2).add_(self.sq.mean(dim=0), alpha=1.0 - b2)
+                update = _approx(row, col)
+            else:
+                col_sum, row_sum = self.received["second_moment"]
+                col.mul_(b2).add_(col_sum / self.shard.rows, alpha=1.0 - b2)
+                update = _approx(row, col, row_sum / self.shard.rows)
+            self.update = update.mul_(self.g).reshape(self.shape)
+        else:
+            exp_avg_sq = self.state["exp_avg_sq"]
+            exp_avg_sq.mul_(b2).add_(self.sq, alpha=1.0 - b2)
+            self.update = exp_avg_sq.rsqrt().mul_(self.grad)
+        if self.shard is None:
+            return self._ask("normalise", [])
+        return self._ask("normalise", [self._real(self.update**2).sum().reshape(1)])
+
+    def instability(self) -> list[torch.Tensor]:
+        b1, b3 = self.group["betas"][0], self.group["betas"][2]
+        clip = self.group["clip_threshold"]
+        rms = _rms(self.update) if self.shard is None else (self.received["normalise"][0][0] / self._numel()).sqrt()
+        self.update.div_((rms / clip).clamp_(min=1.0))
+        exp_avg = self.state["exp_avg"]
+        exp_avg.mul_(b1).add_(self.update, alpha=1.0 - b1)
+        if not self.factored:
+            return self._ask("instability", [])
+        self.res = (self.update - exp_avg).reshape(self.shape[0], self.shape[1]) ** 2 + self.group["eps"][1]
+        rrow = self.state["exp_avg_res_row"]
+        rrow.mul_(b3).add_(self.res.mean(dim=1), alpha=1.0 - b3)
+        if self.shard is None:
+            return self._ask("instability", [])
+        return self._ask("instability", [self._real(self.res).sum(dim=0), self._real(rrow).sum().reshape(1)])
+
+    def apply(self) -> None:
+        b3 = self.group["betas"][2]
+        lr, wd = self.group["lr"], self.group["weight_decay"]
+        exp_avg = self.state["exp_avg"]
+        if self.factored:
+            rrow, rcol = self.state["exp_avg_res_row"], self.state["exp_avg_res_col"]
+            if self.shard is None:
+                rcol.mul_(b3).add_(self.res.mean(dim=0), alpha=1.0 - b3)
+                approx = _approx(rrow, rcol)
+            else:
+                col_sum, row_sum = self.received["instability"]
+                rcol.mul_(b3).add_(col_sum / self.shard.rows, alpha=1.0 - b3)
+                approx = _approx(rrow, rcol, row_sum / self.shard.rows)
+            update = approx.mul_(exp_avg.reshape(self.shape[0], self.shape[1])).reshape(self.shape)
+        else:
+            update = exp_avg.clone()
+        if wd != 0:
+            self.p.add_(self.p, alpha=-wd * lr)
+        update.mul_(lr)
+        self.p.add_(-update.to(self.p.dtype))

@@ -168,25 +168,17 @@ def export(demo: Demo) -> None:
 
 def sample(demo: Demo) -> None:
     """Load the export into a SanaPipeline with the tiny VAE/text encoder and make an image,
-    with the text conditioning the export records (text_conditioning.json)."""
+    with the text conditioning the export records and Sana's sampler (training/evaluation/sample.py)."""
     import torch
-    from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
-    from transformers import AutoTokenizer, Gemma2Model
 
+    from training.evaluation.sample import load_pipeline
     from training.tiny_components import TINY_RESOLUTION
 
-    models = demo.path("models")
-    pipe = SanaPipeline(
-        tokenizer=AutoTokenizer.from_pretrained(models / "tokenizer"),
-        text_encoder=Gemma2Model.from_pretrained(models / "text_encoder"),
-        vae=AutoencoderDC.from_pretrained(models / "vae"),
-        transformer=SanaTransformer2DModel.from_pretrained(demo.path("export") / "transformer"),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
-    conditioning = json.loads((demo.path("export") / "transformer" / "text_conditioning.json").read_text())
+    pipe, conditioning = load_pipeline(demo.path("export") / "transformer", demo.path("models") / "vae")
     image = pipe("a small red circle on a blue background", height=TINY_RESOLUTION, width=TINY_RESOLUTION,
-                 num_inference_steps=4, guidance_scale=4.5, max_sequence_length=conditioning["max_text_tokens"],
-                 complex_human_instruction=conditioning["complex_human_instruction"], use_resolution_binning=False,
-                 generator=torch.Generator().manual_seed(0)).images[0]
+                 num_inference_steps=4, guidance_scale=4.5, max_sequence_length=conditioning.max_text_tokens,
+                 complex_human_instruction=list(conditioning.complex_human_instruction or []) or None,
+                 use_resolution_binning=False, generator=torch.Generator().manual_seed(0)).images[0]
     path = demo.path("export") / "sample.png"
     image.save(path)
     demo.where["sample image (random tiny VAE: noise-like)"] = path

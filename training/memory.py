@@ -11,11 +11,20 @@ The estimate, per rank, for P parameters, N data-parallel ranks, micro-batch B:
 
   weights      P * w           w = 4 (fp32, bf16-mixed: fp32 master weights) or 2 (bf16)
   gradients    P * w           same dtype as the weights
-  optimizer    AdamW: 2 moments in the weight dtype (P * 2w); with ZeRO-1 the moments
-               and an fp32 master copy of each shard, in fp32 (P * 12 / N), plus the
-               reduce-scattered gradient shard (P * 4 / N): torch_xla
+  optimizer    AdamW: 2 moments in the weight dtype (P * 2w); CAME (Sana's optimizer,
+               training/came.py): its state in fp32 whatever the weights' dtype, the first
+               moment (P) plus, per weight it factors, 2 x (rows + columns) statistics,
+               and the full second moment of the rest (biases, 3x3 depthwise convs):
+               counted exactly from the parameter shapes (``optimizer_state_elements``).
+               With ZeRO-1 the state is sharded by rows (CAME's column statistics stay
+               whole on every rank) next to an fp32 master copy of each shard and the
+               reduce-scattered gradient shard (AdamW: P * 16 / N): torch_xla
                ZeroRedundancyOptimizer with optimizer_dtype=float32 (pytorch/xla v2.9
-               torch_xla/distributed/zero_redundancy_optimizer.py)
+               torch_xla/distributed/zero_redundancy_optimizer.py). The reduce-scatter
+               runs in fp32 (``higher_cc_precision``): in precision bf16 each bucket of
+               gradients is cast to fp32 first, one ``trainium.zero1_bucket_mb`` bucket
+               counted with the gradients (XLA schedules the casts bucket by bucket: the
+               compiler, not this estimate, has the last word)
   EMA          P * 4 when ema.decay > 0 (fp32 shadow on the device, training/ema.py)
   activations  measured, not modelled: the bytes autograd keeps for backward, counted with
                ``torch.autograd.graph.saved_tensors_hooks`` on a meta-device model of the
@@ -37,7 +46,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from training.errors import UserError
@@ -132,6 +142,49 @@ def measure_activations(model_kwargs: Mapping[str, Any], *, text_tokens: int, bf
                           block_input=size * size * width * (2 if bf16 else 4))
 
 
+def optimizer_state_elements(shapes: Sequence[tuple[int, ...]], name: str) -> tuple[int, int]:
+    """(elements sharded by rows, elements whole on every rank) of optimizer ``name``'s state
+    for parameters of ``shapes`` (``step`` scalars left out). AdamW: two moments per
+    element; CAME: training/came.py ``_init_state`` (factored weights keep row and column
+    statistics, the column ones whole under ZeRO-1 / FSDP)."""
+    import torch
+
+    from training.came import _factored_dims
+
+    if name != "came":
+        return 2 * sum(math.prod(s) for s in shapes), 0
+    rows = whole = 0
+    for shape in shapes:
+        rows += math.prod(shape)  # exp_avg
+        if _factored_dims(torch.Size(shape)):
+            rows += 2 * shape[0]  # exp_avg_sq_row, exp_avg_res_row
+            whole += 2 * shape[1]  # exp_avg_sq_col, exp_avg_res_col
+        else:
+            rows += math.prod(shape)  # exp_avg_sq
+    return rows, whole
+
+
+def trainable_shapes(cfg: Any) -> list[tuple[int, ...]]:
+    """Shapes of the parameters that train: the whole transformer, or its LoRA adapters."""
+    if getattr(getattr(cfg, "lora", None), "enabled", False):
+        from training.lora import apply_lora
+        from training.model import build_model
+
+        model = build_model(dataclasses.replace(cfg.model, pretrained=None, init="torch"), device="meta")
+        apply_lora(model, cfg.lora)
+        return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    return list(_shapes(_frozen(cfg.model.model_kwargs())))
+
+
+@functools.cache
+def _shapes(frozen_kwargs: tuple[tuple[str, Any], ...]) -> tuple[tuple[int, ...], ...]:
+    import torch
+    from diffusers import SanaTransformer2DModel
+
+    with torch.device("meta"):
+        return tuple(tuple(p.shape) for p in SanaTransformer2DModel(**dict(frozen_kwargs)).parameters())
+
+
 def count_parameters(model_kwargs: Mapping[str, Any]) -> int:
     import torch
     from diffusers import SanaTransformer2DModel
@@ -151,15 +204,24 @@ def estimate(cfg: Any, *, world_size: int, text_tokens: int = DEFAULT_TEXT_TOKEN
     zero1 = bool(cfg.trainium.zero1)
     n = max(1, int(world_size))
     # LoRA (training/lora.py): gradients, optimizer state and EMA exist for the adapters only
-    lora_on = getattr(getattr(cfg, "lora", None), "enabled", False)
-    trainable = _trainable_parameters(cfg) if lora_on else params
-    optimizer = (trainable * 12 + trainable * 4) // n if zero1 else trainable * 2 * w
+    shapes = trainable_shapes(cfg)
+    trainable = sum(math.prod(s) for s in shapes)
+    name = getattr(cfg.optim, "name", "adamw")
+    rows, whole = optimizer_state_elements(shapes, name)
+    state_bytes = 4 if name == "came" else w  # CAME computes (and keeps) its state in fp32
+    if zero1:  # fp32 master shard + gradient shard + the state's rows, over N; CAME's columns whole
+        optimizer = (trainable * 4 + trainable * 4 + rows * 4) // n + whole * 4
+    else:
+        optimizer = (rows + whole) * state_bytes
+    gradients = trainable * w
+    if zero1 and bf16:  # one bucket of gradients cast to fp32 for the reduce-scatter
+        gradients += min(trainable * 4, int(cfg.trainium.zero1_bucket_mb) * 2**20)
     act = activations or measure_activations(kw, text_tokens=text_tokens, bf16=bf16)
     b = int(cfg.data.batch_size)
     plain = b * (act.base + layers * act.per_block)
     ckpt = b * (act.base + layers * act.block_input + act.per_block)
     ckpt_on = bool(cfg.model.gradient_checkpointing)
-    return MemoryEstimate(parameters=params, weights=params * w, gradients=trainable * w, optimizer=optimizer,
+    return MemoryEstimate(parameters=params, weights=params * w, gradients=gradients, optimizer=optimizer,
                           ema=trainable * 4 if cfg.ema.decay > 0 else 0,
                           activations=ckpt if ckpt_on else plain, activations_no_checkpointing=plain,
                           activations_checkpointing=ckpt, gradient_checkpointing=ckpt_on, world_size=n,
@@ -251,8 +313,9 @@ def check_trainium_config(cfg: Any, *, world_size: int, instance_type: str | Non
 #               torch DistributedDataParallel docs: "the saved memory size will be equal to
 #               the total gradients size");
 #               FSDP/HSDP: 4P / S reduce-scattered shards plus two blocks' unsharded grads
-#   optimizer   AdamW: exp_avg + exp_avg_sq in fp32, 8P / S (CAME: ~4P / S: the first
-#               moment in full, the second factored into rows/columns, training/came.py)
+#   optimizer   AdamW: exp_avg + exp_avg_sq in fp32, 8P / S; CAME: ~4P / S, counted exactly
+#               (``optimizer_state_elements``: the first moment in full, the second
+#               factored into row statistics, sharded, and column statistics, whole)
 #   EMA         4P / S when ema.decay > 0
 #   (with LoRA, gradients, optimizer state and EMA count the adapters' parameters only)
 #   activations measured, not modelled: the bytes autograd saves for backward
@@ -410,16 +473,6 @@ class GpuMemoryEstimate:
                 "batch_size": self.batch_size, "precision": self.precision}
 
 
-def _trainable_parameters(cfg: Any) -> int:
-    """Parameters that train under the config's LoRA section (adapters on a meta-device model)."""
-    from training.lora import apply_lora
-    from training.model import build_model
-
-    model = build_model(dataclasses.replace(cfg.model, pretrained=None, init="torch"), device="meta")
-    apply_lora(model, cfg.lora)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
 def _mesh_of(cfg: Any) -> str:
     mesh = str(getattr(cfg.gpu, "distributed", "ddp"))
     return mesh if mesh in MESHES else "ddp"
@@ -457,16 +510,18 @@ def estimate_gpu(cfg: Any, *, world_size: int, mesh: str | None = None, ac: str 
     weights = params * 4 // shard + gathered
     # DDP: the buckets are the gradients (gradient_as_bucket_view); FSDP: shards + gathered units
     grads = params * 4 if mesh == "ddp" else params * 4 // shard + _GATHERED_BLOCKS * block * 4
-    per_param = 4 if getattr(cfg.optim, "name", "adamw") == "came" else 8
     # LoRA (training/lora.py): gradients, optimizer state and EMA exist for the adapters only
-    trainable = _trainable_parameters(cfg) if getattr(getattr(cfg, "lora", None), "enabled", False) else params
+    shapes = trainable_shapes(cfg)
+    trainable = sum(math.prod(s) for s in shapes)
+    # fp32 state; under FSDP/HSDP sharded by rows (DTensor Shard(0)), CAME's column statistics whole
+    rows, whole = optimizer_state_elements(shapes, getattr(cfg.optim, "name", "adamw"))
     if trainable != params:
         grads = trainable * 4 // (1 if mesh == "ddp" else shard)
     act = gpu_activations(kw, text_tokens=text_tokens, precision=cfg.precision)
     k = len(checkpointed_blocks(layers, mode, every_n))
     b = int(cfg.data.batch_size)
     return GpuMemoryEstimate(parameters=params, weights=weights, gradients=grads,
-                             optimizer=trainable * per_param // shard,
+                             optimizer=rows * 4 // shard + whole * 4,
                              ema=trainable * 4 // shard if cfg.ema.decay > 0 else 0,
                              activations=b * act.per_sample(layers, mode, k), mesh=mesh, shard=shard,
                              world_size=n, activation_checkpointing=mode, batch_size=b, precision=cfg.precision)

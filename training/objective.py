@@ -22,6 +22,15 @@ neuron-features/neuron-caching.rst), so that is N neuronx-cc compiles and N cach
 entries, a precompile that fills one rank's entry only, and replicas whose collectives sit
 in different programs. With the index as device data every rank's graph is the same HLO
 with a different input (tests/xla/test_same_graph.py hashes it as ranks 0, 1 and 31 of 32).
+
+Caption dropout is Sana's ``CaptionEmbedder.token_drop`` (NVlabs Sana diffusion/model/nets/
+sana_blocks.py): a dropped caption is replaced by the *whole* null encoding
+(``y_embedding``, every one of the N rows: train_scripts/train.py encodes ``""`` padded to
+``model_max_length`` and diffusion/utils/checkpoint.py loads that ``[N, D]`` tensor as
+``y_embedder.y_embedding``), while the attention mask stays the caption's own
+(``token_drop`` swaps the embedding only; ``forward`` passes ``mask`` through unchanged).
+So the model learns the unconditional branch from the null encoding's first ``len(caption)``
+rows, as Sana's models did.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ class ObjectiveConfig:
     #: (Sana: 3.0 at 1024px; 1.0 = off)
     flow_shift: float = 3.0
     #: probability of replacing a caption by the null caption (trains the unconditional
-    #: branch used by classifier-free guidance)
+    #: branch used by classifier-free guidance; Sana model.class_dropout_prob: 0.1)
     caption_dropout: float = 0.1
 
     def __post_init__(self) -> None:
@@ -70,8 +79,9 @@ class RectifiedFlow:
     Args:
         cfg: objective section.
         vae_scaling_factor: from the feature index; shards hold UNscaled latents.
-        null_text, null_mask: the empty caption's padded embedding [N, D] and mask [N]
-            (from the loader), on the training device.
+        null_text, null_mask: the empty caption's full encoding [N, D] and its own mask [N]
+            (from the loader), on the training device; a dropped caption gets ``null_text``
+            and keeps its mask (``null_mask`` is the negative prompt's mask for sampling).
         rank, world_size: this rank's slice of the global random draw.
     """
 
@@ -112,9 +122,10 @@ class RectifiedFlow:
         return self._local(sigma, b), self._local(noise, b), drop
 
     def null_caption(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The null caption and its mask cut to a trimmed batch's caption ``length``
-        (training/text_trim.py; the trim keeps the null caption's real tokens). At the padded
-        length nothing is sliced, so the XLA graph is unchanged."""
+        """The null encoding and its mask cut to a trimmed batch's caption ``length``
+        (training/text_trim.py: the batch's captions all end by then, so under their masks
+        the cut rows are never attended). At the padded length nothing is sliced, so the XLA
+        graph is unchanged."""
         if length == self.null_text.shape[0]:
             return self.null_text, self.null_mask
         return self.null_text[:length], self.null_mask[:length]
@@ -123,9 +134,10 @@ class RectifiedFlow:
         """Scalar fp32 loss for one (micro-)batch of {"latents", "text", "text_mask"}."""
         x0 = batch["latents"].float() * self.scale
         sigma, noise, drop = self.sample(x0)
-        null_text, null_mask = self.null_caption(batch["text"].shape[1])
+        null_text, _ = self.null_caption(batch["text"].shape[1])
+        # Sana's token_drop: the full null encoding in, the caption's own mask kept
         text = torch.where(drop[:, None, None], null_text.to(batch["text"].dtype), batch["text"])
-        mask = torch.where(drop[:, None], null_mask.to(batch["text_mask"].dtype), batch["text_mask"])
+        mask = batch["text_mask"]
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
         x_t = (1.0 - s) * x0 + s * noise
         pred = model(hidden_states=x_t, encoder_hidden_states=text, timestep=sigma * TIMESTEP_SCALE,

@@ -3,8 +3,9 @@ learning-rate schedule (linear warm-up, then constant or cosine).
 
 Sana's configs (configs/sana_config/512ms/Sana_600M_img512.yaml, 1024ms/Sana_1600M_img1024.yaml
 ``train.optimizer``) train with ``type: CAMEWrapper``, ``lr: 1e-4``, ``betas: [0.9, 0.999,
-0.9999]``, ``eps: [1e-30, 1e-16]``, ``weight_decay: 0.0``; Sana_1600M_img1024_AdamW.yaml is
-the AdamW variant. The CAME implementation is ours (training/came.py).
+0.9999]``, ``eps: [1e-30, 1e-16]``, ``weight_decay: 0.0``: what every preset sets.
+Sana_1600M_img1024_AdamW.yaml is the AdamW variant, with ``weight_decay: 0.01``, ``eps: 1e-8``,
+``betas: [0.9, 0.999]``. The CAME implementation is ours (training/came.py).
 """
 
 from __future__ import annotations
@@ -26,16 +27,18 @@ DEFAULT_EPS: dict[str, Any] = {"adamw": 1e-8, "came": (1e-30, 1e-16)}
 
 @dataclasses.dataclass(kw_only=True)
 class OptimConfig:
-    """Optimizer, schedule, clipping and accumulation. Defaults follow Sana's AdamW recipe."""
+    """Optimizer, schedule, clipping and accumulation. The section's defaults are torch's AdamW
+    without weight decay; the presets set Sana's CAME recipe (see the module docstring), and
+    Sana's AdamW variant adds ``weight_decay: 0.01``."""
 
-    #: "adamw" (torch.optim.AdamW) or "came" (Sana's default optimizer; training/came.py)
+    #: "adamw" (torch.optim.AdamW) or "came" (Sana's optimizer, the presets'; training/came.py)
     name: str = "adamw"
     #: peak learning rate (Sana 600M/1.6B: 1e-4, AdamW and CAME alike)
     lr: float = 1e-4
     #: AdamW: (beta1, beta2); CAME: (beta1, beta2, beta3). Unset = DEFAULT_BETAS[name]
     betas: tuple[float, ...] | None = None
     #: decoupled weight decay, never applied to biases, norms, embeddings or the
-    #: scale-shift tables (see ``param_groups``); Sana's configs use 0.0
+    #: scale-shift tables (see ``param_groups``); Sana's CAME configs use 0.0, its AdamW one 0.01
     weight_decay: float = 0.0
     #: AdamW: one number; CAME: (eps1, eps2). Unset = DEFAULT_EPS[name]
     eps: float | tuple[float, ...] | None = None

@@ -1,16 +1,12 @@
 """Raw image + caption pairs -> DC-AE latents + Gemma-2 caption embeddings, as feature shards.
 
     python -m training.precompute --input s3://data/raw/ --out s3://data/features/v1 \\
-        --vae /fsx/models/dc-ae --text-encoder /fsx/models/gemma-2-2b --tokenizer /fsx/models/gemma-2-2b
+        --vae /fsx/models/dc-ae --text-encoder /fsx/models/gemma-2-2b-it --tokenizer /fsx/models/gemma-2-2b-it
 
     torchrun --nproc-per-node 8 -m training.precompute ...   # ranks split the shards
 
-Input (local dir or s3:// prefix), either layout:
-- a folder of images (.jpg .jpeg .png .webp) each with a same-stem ``.txt`` caption,
-  searched recursively; samples sorted by relative path and cut into shards of
-  ``--samples-per-shard``;
-- WebDataset tars (``*.tar`` with ``<key>.<img ext>`` + ``<key>.txt`` members); one output
-  shard per input tar.
+Input (local dir or s3:// prefix): a folder of images with same-stem ``.txt`` captions, or
+WebDataset tars (training/data/raw_input.py).
 
 Resumable: the assignment of samples to shards depends only on the input listing, a
 shard is written through a temp name, and ``shard-NNNNN.json`` (its index entry) is
@@ -19,37 +15,45 @@ WORLD_SIZE (torchrun env) takes shards r, r+W, ...; rank 0 then waits for every 
 and writes null_caption.safetensors and, last, index.json (``--merge-only`` redoes just
 that step). The run is thus restartable at any point, by any number of ranks.
 
-Aspect-ratio buckets (``--buckets 512|1024|2048``; ``square``, the default, centre-crops
-every image to ``--resolution``): each image goes to the bucket of NVlabs Sana's table with
-the nearest h/w ratio, is resized to cover it and centre-cropped to it (training/data/
-buckets.py); the table is scaled to ``--resolution`` (default: the table's own, e.g. 512).
-Shards record each sample's bucket, index.json lists the buckets with counts and shapes.
-Unreadable images, and images smaller than their target (it would take more than
-``--max-upscale``, 2x by default, to cover it), are skipped: counted per reason, one summary
-line each.
+One feature set per ``--out``: every marker and index.json record the run's settings
+(resolution, buckets, CHI, caption text, N, the models' fingerprints...), and a run whose
+settings differ from those already there is refused in one line naming each difference
+(training/data/feature_settings.py). A full disk (ENOSPC, quota, EFBIG) ends the run in one
+line; every file is written through ``.NAME.part-PID`` and a rename, the part file is
+removed on failure, and a later run removes any a killed run left for its shards.
+
+Aspect-ratio buckets (``--buckets 512|1024|2048``, by default the table of ``--resolution``,
+as every NVlabs Sana config trains ``multi_scale: true``; ``square`` centre-crops every
+image to ``--resolution``): each image goes to the bucket of Sana's 40-ratio training table
+with the nearest h/w ratio, is resized to cover it and centre-cropped to it (training/data/
+buckets.py, raw_samples.py); the table is scaled to ``--resolution``. Shards record each
+sample's bucket, index.json lists the buckets with counts and shapes. Samples that cannot
+be used (no caption, an empty or non-UTF-8 caption, an unreadable image, an image smaller
+than its bucket by more than ``--max-upscale``) are skipped, each named in a warning line
+and counted per reason in one summary line each.
 
 Text conditioning: captions get NVlabs Sana's complex human instruction by default
-(``--chi sana``; ``diffusers`` for SanaPipeline's list, ``none``, or a file), and the
-choice, its sha256, N, the tokenizer and the text encoder's identity go into index.json
-``text_conditioning`` (training/text_features.py). The merge step also encodes the
-validation prompts (``--validation-prompts``, a built-in list by default) with the same
-settings into validation_prompts.safetensors, so training renders its validation images
-without loading a text encoder (training/validation.py).
+(``--chi sana``; ``diffusers`` for SanaPipeline's list, ``none``, or a file) in front of
+the raw caption (``--caption-text sana``; ``diffusers`` lower-cases it first), and the
+choices, the CHI's sha256, N, the tokenizer and the text encoder's identity go into
+index.json ``text_conditioning`` (training/text_features.py). The merge step also encodes
+the validation prompts (``--validation-prompts``; by default those the ``--out`` already
+records, else a built-in list) with the same settings into validation_prompts.safetensors,
+so training renders its validation images without loading a text encoder
+(training/validation.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import io
 import json
 import os
 import shutil
 import sys
-import tarfile
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,15 +68,32 @@ from training.data import (
     SQUARE,
     VALIDATION_PROMPTS,
     encode_sample,
-    shard_name,
-    write_index,
     write_shard,
 )
-from training.data.buckets import SQUARE_MODE, TABLES, aspect_ratio_table, cover_resize, nearest_bucket
+from training.data.buckets import SQUARE_MODE, TABLES, aspect_ratio_table, resample_filter
+from training.data.feature_output import PROMPTS_METADATA, Output
+from training.data.feature_settings import (
+    SETTINGS_KEY,
+    FeatureSettings,
+    normalised_input,
+    recorded_settings,
+    refuse_mixed,
+)
+from training.data.raw_input import Unit, list_units, read_ref, unit_samples
+from training.data.raw_samples import (  # noqa: F401  (Skip, UNREADABLE, TOO_SMALL: this module's API)
+    NO_CAPTION,
+    TOO_SMALL,
+    UNREADABLE,
+    Skip,
+    caption_text,
+    load_image,
+    preprocess_to,
+)
+from training.data.shards import atomic_write_bytes
 from training.errors import UserError, exits_cleanly
-from training.text_features import CHI_CHOICES, TextConditioning, dir_fingerprint, resolve_chi
+from training.files.space import disk_full_is_one_line
+from training.text_features import CAPTION_TEXT, CHI_CHOICES, TextConditioning, dir_fingerprint, resolve_chi
 
-IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp")
 #: encoded when --validation-prompts is not given: varied subjects, colours, text and counts,
 #: where a broken run (wrong conditioning, NaNs, a collapsed model) shows at a glance
 DEFAULT_VALIDATION_PROMPTS = (
@@ -100,10 +121,12 @@ class PrecomputeConfig:
     #: tokenizer directory (local or s3://); usually the text encoder's
     tokenizer: str
     #: square mode: the side images are centre-cropped to; bucket mode: the side of the table's
-    #: 1.0 bucket (the table is scaled to it). None: 512 (square) or the table's own (buckets)
+    #: 1.0 bucket (the table is scaled to it). None: the table's own (buckets) or 512 (square)
     resolution: int | None = None
-    #: "square" (one shape) or a Sana aspect-ratio table: "512", "1024", "2048"
-    buckets: str = SQUARE_MODE
+    #: a Sana aspect-ratio table: "512", "1024", "2048", or "square" (one shape). None: Sana's
+    #: ``multi_scale: true`` (every config in NVlabs Sana configs/sana_config/): the table of
+    #: --resolution (1024 -> "1024"), else the 512 table scaled to it
+    buckets: str | None = None
     #: skip an image as too small when covering its target size needs more upscaling than this
     max_upscale: float = 2.0
     #: N: caption tokens kept (Sana: 300)
@@ -111,7 +134,11 @@ class PrecomputeConfig:
     #: complex-human-instruction prefix: "sana" (NVlabs Sana's configs), "diffusers" (SanaPipeline's
     #: default list), "none", or a file with one line each
     chi: str = "sana"
-    #: prompts to encode for validation images: a file (one a line), "none", or None = the built-in list
+    #: "sana" (the raw caption, as NVlabs Sana's train.py) or "diffusers" (lower-cased and
+    #: stripped, SanaPipeline's preprocessing); training/text_features.py
+    caption_text: str = "sana"
+    #: prompts to encode for validation images: a file (one a line), "none", or None = the ones
+    #: the --out already records (a re-run keeps them), else the built-in list
     validation_prompts: str | None = None
     #: images per VAE / text-encoder forward
     batch_size: int = 16
@@ -133,10 +160,14 @@ class PrecomputeConfig:
     world_size: int = field(default_factory=lambda: int(os.environ.get("WORLD_SIZE", "1")))
 
     def __post_init__(self) -> None:
+        if self.buckets is None:
+            self.buckets = str(self.resolution) if str(self.resolution) in TABLES else TABLES[0]
         if self.buckets not in (SQUARE_MODE, *TABLES):
             raise UserError(f"--buckets: {self.buckets!r}; choose {SQUARE_MODE} or a Sana table: {', '.join(TABLES)}")
         if self.resolution is None:
             self.resolution = 512 if self.buckets == SQUARE_MODE else int(self.buckets)
+        if self.caption_text not in CAPTION_TEXT:
+            raise UserError(f"--caption-text: {self.caption_text!r}; choose {' or '.join(CAPTION_TEXT)}")
         if not self.max_upscale >= 1.0:
             raise UserError(f"--max-upscale: must be >= 1.0, got {self.max_upscale}")
         for name in ("resolution", "max_text_tokens", "batch_size", "samples_per_shard", "io_workers"):
@@ -155,105 +186,9 @@ class PrecomputeConfig:
             raise UserError(f"RANK={self.rank} WORLD_SIZE={self.world_size}: rank out of range")
 
 
-# ---------------------------------------------------------------------------- input
-@dataclass(frozen=True)
-class Unit:
-    """One output shard's worth of input: image/caption pairs, or one WebDataset tar."""
-
-    number: int
-    pairs: tuple[tuple[str, str, str], ...] = ()  # (key, image ref, caption ref)
-    tar: str | None = None
-
-    @property
-    def name(self) -> str:
-        return shard_name(self.number)
-
-
-def _key(rel: str) -> str:
-    return rel.rsplit(".", 1)[0].replace("/", "__")
-
-
-def list_units(source: str, samples_per_shard: int) -> list[Unit]:
-    """Deterministic split of the input into shards (every rank computes the same list)."""
-    if s3.is_s3_url(source):
-        base = s3.parse_s3_url(source.rstrip("/"))
-        rels = s3.list_keys(base)
-        ref = lambda rel: str(base.join(rel))  # noqa: E731
-    else:
-        root = Path(source)
-        if root.is_file() and root.suffix == ".tar":
-            return [Unit(0, tar=str(root))]
-        if not root.is_dir():
-            raise UserError(f"--input {source}: no such directory; give a folder of images + .txt captions, "
-                            "WebDataset .tar files, or an s3:// prefix")
-        rels = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-        ref = lambda rel: str(root / rel)  # noqa: E731
-    tars = [r for r in rels if r.endswith(".tar")]
-    if tars:
-        return [Unit(i, tar=ref(r)) for i, r in enumerate(tars)]
-    texts = {r for r in rels if r.endswith(".txt")}
-    pairs, missing = [], 0
-    for r in rels:
-        if r.lower().endswith(IMAGE_EXTS):
-            caption = r.rsplit(".", 1)[0] + ".txt"
-            if caption in texts:
-                pairs.append((_key(r), ref(r), ref(caption)))
-            else:
-                missing += 1
-    if missing:
-        print(f"warning: {missing} images under {source} have no .txt caption; skipped", file=sys.stderr)
-    if not pairs:
-        raise UserError(f"--input {source}: found no image + .txt caption pairs and no .tar files")
-    return [Unit(i // samples_per_shard, pairs=tuple(pairs[i:i + samples_per_shard]))
-            for i in range(0, len(pairs), samples_per_shard)]
-
-
-def _read(ref: str) -> bytes:
-    return s3.get_bytes(ref) if s3.is_s3_url(ref) else Path(ref).read_bytes()
-
-
 def preprocess(data: bytes, resolution: int) -> torch.Tensor:
     """Image bytes -> [3, R, R] in [-1, 1]: shorter side to R (bicubic), center crop."""
     return preprocess_to(data, (resolution, resolution))
-
-
-class Skip(Exception):
-    """An input image that is not used; ``reason`` is the summary line it is counted under."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}{f' ({detail})' if detail else ''}")
-        self.reason = reason
-
-
-#: skip reasons, as the summary prints them
-UNREADABLE, TOO_SMALL = "unreadable or corrupt image", "too small for its bucket"
-
-
-def _open_rgb(data: bytes):
-    from PIL import Image
-
-    try:
-        img = Image.open(io.BytesIO(data))
-        img.load()  # decode now: a truncated file fails here, not mid-batch
-        return img.convert("RGB")
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:  # PIL's errors
-        raise Skip(UNREADABLE, str(exc)) from None
-
-
-def preprocess_to(data: bytes, target: tuple[int, int], img=None) -> torch.Tensor:
-    """Image bytes -> [3, h, w] in [-1, 1]: resized (bicubic) to cover ``target`` (h, w) with its
-    aspect kept, then centre-cropped to it (NVlabs Sana's SanaWebDatasetMS.getdata)."""
-    import numpy as np
-    from PIL import Image
-
-    img = _open_rgb(data) if img is None else img
-    th, tw = target
-    rh, rw = cover_resize(img.height, img.width, target)
-    img = img.resize((rw, rh), Image.BICUBIC)
-    left, top = (rw - tw) // 2, (rh - th) // 2
-    img = img.crop((left, top, left + tw, top + th))
-    x = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
-    return x.float() / 127.5 - 1.0
 
 
 def bucket_table(cfg: PrecomputeConfig, vae_stride: int) -> dict[str, tuple[int, int]]:
@@ -266,52 +201,6 @@ def bucket_table(cfg: PrecomputeConfig, vae_stride: int) -> dict[str, tuple[int,
     for name, (h, w) in aspect_ratio_table(cfg.buckets).items():
         table[name] = tuple(max(vae_stride, round(side * scale / vae_stride) * vae_stride) for side in (h, w))
     return table
-
-
-def load_image(data: bytes, table: dict[str, tuple[int, int]], max_upscale: float) -> tuple[torch.Tensor, str]:
-    """Image bytes -> (pixels at its bucket's size, bucket name); ``Skip`` if unusable."""
-    img = _open_rgb(data)
-    name = next(iter(table)) if len(table) == 1 else nearest_bucket(img.height, img.width, table)
-    th, tw = table[name]
-    upscale = max(th / img.height, tw / img.width)
-    if upscale > max_upscale:
-        raise Skip(TOO_SMALL, f"{img.width}x{img.height} -> {tw}x{th} is {upscale:.1f}x, over --max-upscale "
-                              f"{max_upscale:g}")
-    return preprocess_to(data, (th, tw), img), name
-
-
-def unit_samples(unit: Unit, work: Path) -> Iterator[tuple[str, bytes, str]]:
-    """(key, image bytes, caption) of a unit, in a fixed order."""
-    if unit.tar is None:
-        for key, image, caption in unit.pairs:
-            yield key, image, caption
-        return
-    path = Path(unit.tar)
-    if s3.is_s3_url(unit.tar):
-        path = s3.download_file(unit.tar, work / "input" / unit.tar.rsplit("/", 1)[-1])
-    stem = path.name[:-4]
-    groups: dict[str, dict[str, bytes]] = {}
-    try:
-        with tarfile.open(path) as tar:
-            for m in tar:
-                if not m.isfile():
-                    continue
-                directory, _, base = m.name.rpartition("/")
-                key, _, ext = base.partition(".")
-                groups.setdefault(f"{directory}/{key}" if directory else key, {})[ext.lower()] = (
-                    tar.extractfile(m).read())
-    except tarfile.TarError as exc:
-        raise UserError(f"{unit.tar}: not a readable tar ({exc}); fix or remove it") from None
-    finally:
-        if path != Path(unit.tar):
-            path.unlink(missing_ok=True)  # a downloaded input tar is read once
-    for key in sorted(groups):
-        parts = groups[key]
-        image = next((parts[e] for e in ("jpg", "jpeg", "png", "webp") if e in parts), None)
-        if image is None or "txt" not in parts:
-            print(f"warning: {unit.tar}: sample {key} lacks an image or .txt; skipped", file=sys.stderr)
-            continue
-        yield f"{stem}__{key.replace('/', '__')}", image, parts["txt"].decode("utf-8")
 
 
 # ---------------------------------------------------------------------------- models
@@ -332,6 +221,19 @@ class Models:
     dtype: torch.dtype
     chi: tuple[str, ...] | None
     conditioning: TextConditioning
+    #: ``dir_fingerprint`` of the VAE directory (None when not loaded: nothing to encode)
+    vae_fingerprint: str | None = None
+
+
+def settings_of(cfg: PrecomputeConfig, models: Models) -> FeatureSettings:
+    """This run's ``FeatureSettings`` (training/data/feature_settings.py)."""
+    return FeatureSettings(
+        input=normalised_input(cfg.input), resolution=int(cfg.resolution), buckets=str(cfg.buckets),
+        max_upscale=float(cfg.max_upscale), samples_per_shard=int(cfg.samples_per_shard),
+        max_text_tokens=int(cfg.max_text_tokens), chi_sha256=models.conditioning.chi_sha256,
+        caption_text=cfg.caption_text, dtype=str(models.dtype).removeprefix("torch."), vae=models.vae_fingerprint,
+        text_encoder=models.conditioning.text_encoder.get("fingerprint"),
+        tokenizer=models.conditioning.tokenizer.get("fingerprint"))
 
 
 def load_models(cfg: PrecomputeConfig, work: Path, *, with_vae: bool = True) -> Models:
@@ -354,12 +256,14 @@ def load_models(cfg: PrecomputeConfig, work: Path, *, with_vae: bool = True) -> 
         text_encoder = Gemma2Model.from_pretrained(encoder_dir, torch_dtype=dtype).to(device).eval()
     except (OSError, ValueError) as exc:
         raise UserError(f"--text-encoder {cfg.text_encoder}: cannot load Gemma2Model ({exc})") from None
-    vae = None
+    vae, vae_fingerprint = None, None
     if with_vae:
+        vae_dir = _local_model(cfg.vae, work, "vae")
         try:
-            vae = AutoencoderDC.from_pretrained(_local_model(cfg.vae, work, "vae"), torch_dtype=dtype).to(device).eval()
+            vae = AutoencoderDC.from_pretrained(vae_dir, torch_dtype=dtype).to(device).eval()
         except (OSError, ValueError) as exc:
             raise UserError(f"--vae {cfg.vae}: cannot load AutoencoderDC ({exc})") from None
+        vae_fingerprint = dir_fingerprint(vae_dir)
     chi = resolve_chi(cfg.chi)
     config = text_encoder.config
     conditioning = TextConditioning.of(
@@ -369,78 +273,12 @@ def load_models(cfg: PrecomputeConfig, work: Path, *, with_vae: bool = True) -> 
         text_encoder={"path": cfg.text_encoder, "class": type(text_encoder).__name__,
                       "name_or_path": getattr(config, "_name_or_path", None), "hidden_size": config.hidden_size,
                       "num_hidden_layers": config.num_hidden_layers, "dtype": str(dtype).removeprefix("torch."),
-                      "fingerprint": dir_fingerprint(encoder_dir)})
-    return Models(vae, text_encoder, tokenizer, device, dtype, chi, conditioning)
+                      "fingerprint": dir_fingerprint(encoder_dir)},
+        caption_text=cfg.caption_text)
+    return Models(vae, text_encoder, tokenizer, device, dtype, chi, conditioning, vae_fingerprint)
 
 
 # ---------------------------------------------------------------------------- output
-class Output:
-    """The feature directory, local or S3: markers, shards, index."""
-
-    def __init__(self, out: str, work: Path) -> None:
-        self.out, self.work = out.rstrip("/"), work
-        self.is_s3 = s3.is_s3_url(out)
-        self.staging = work / "staging" if self.is_s3 else Path(out)
-        self.staging.mkdir(parents=True, exist_ok=True)
-        self._seen: dict[str, dict[str, Any]] = {}  # S3 markers already read (they never change)
-
-    def markers(self) -> dict[str, dict[str, Any]]:
-        """Finished shards: name -> marker (a marker whose tar is missing does not count)."""
-        if self.is_s3:
-            keys = set(s3.list_keys(self.out))  # a missing bucket is a one-line UserError here
-            for name in (k[:-5] for k in keys if k.startswith("shard-") and k.endswith(".json")):
-                if name not in self._seen:
-                    self._seen[name] = json.loads(s3.get_bytes(f"{self.out}/{name}.json"))
-            return {n: m for n, m in self._seen.items() if m["samples"] == 0 or f"{n}.tar" in keys}
-        done = {}
-        for path in self.staging.glob("shard-*.json"):
-            marker = json.loads(path.read_text())
-            tar = self.staging / marker["name"]
-            if marker["samples"] == 0 or (tar.exists() and tar.stat().st_size == marker["bytes"]):
-                done[marker["name"][:-4]] = marker
-        return done
-
-    def publish(self, marker: dict[str, Any]) -> None:
-        """Tar first, then its marker: a marker always points at a complete shard."""
-        tar = self.staging / marker["name"]
-        body = json.dumps(marker, indent=1)
-        if self.is_s3:
-            if marker["samples"]:
-                s3.upload_file(tar, f"{self.out}/{marker['name']}")
-            s3.put_bytes(body.encode(), f"{self.out}/{marker['name'][:-4]}.json")
-            tar.unlink(missing_ok=True)
-        else:
-            path = self.staging / f"{marker['name'][:-4]}.json"
-            tmp = path.with_name(f".{path.name}.part-{os.getpid()}")
-            tmp.write_text(body)
-            os.replace(tmp, path)
-
-    def write_index(self, markers: Sequence[dict[str, Any]], null: torch.Tensor, created_by: dict[str, Any],
-                    extra: dict[str, Any], extra_files: Sequence[str] = ()) -> dict[str, Any]:
-        first = next((m for m in markers if m["samples"]), markers[0])
-        bucketed = "bucket_shapes" in first
-        shape_key = "bucket_table" if bucketed else "latent_shape"
-        for m in markers:
-            for key in (shape_key, "text_dim", "max_text_tokens", "vae_scaling_factor", "chi_sha256"):
-                if m["samples"] and m.get(key) != first.get(key):
-                    raise UserError(f"{self.out}/{m['name']}: {key} {m.get(key)} differs from {first['name']}'s "
-                                    f"{first.get(key)}; shards come from different settings - delete and redo them")
-        keys = ("name", "samples", "bytes", "sha256", *(("buckets",) if bucketed else ()))
-        shards = [{k: m[k] for k in keys} for m in markers if m["samples"]]
-        if not shards:
-            raise UserError(f"{self.out}: every shard is empty; check the input")
-        shapes = {name: shape for m in markers if m["samples"] for name, shape in m.get("bucket_shapes", {}).items()}
-        index = write_index(self.staging, shards=shards, latent_shape=None if bucketed else first["latent_shape"],
-                            text_dim=first["text_dim"], max_text_tokens=first["max_text_tokens"],
-                            vae_scaling_factor=first["vae_scaling_factor"], null_caption=null,
-                            created_by=created_by, extra=extra, bucket_shapes=shapes if bucketed else None)
-        if self.is_s3:
-            for name in (NULL_CAPTION, *extra_files):
-                s3.upload_file(self.staging / name, f"{self.out}/{name}")
-            s3.upload_file(self.staging / INDEX, f"{self.out}/{INDEX}")  # last: makes the directory readable
-        return index
-
-
 # ---------------------------------------------------------------------------- work
 @torch.no_grad()
 def encode_unit(unit: Unit, models: Models, cfg: PrecomputeConfig, work: Path, pool: ThreadPoolExecutor,
@@ -450,17 +288,24 @@ def encode_unit(unit: Unit, models: Models, cfg: PrecomputeConfig, work: Path, p
 
     table = bucket_table(cfg, vae_stride(models.vae))
 
-    def load(item: tuple[str, Any, str]) -> tuple[str, tuple[torch.Tensor, str] | Skip, str]:
-        key, image, caption = item
+    resample = resample_filter(cfg.buckets)
+
+    def load(item: tuple[str, str, Any, Any]) -> tuple[str, tuple[torch.Tensor, str] | Skip, str]:
+        key, name, image, caption = item
         try:
-            data = image if isinstance(image, bytes) else _read(image)
-            text = caption if unit.tar is not None else _read(caption).decode("utf-8")
-            return key, load_image(data, table, cfg.max_upscale), text.strip()
+            if caption is None:
+                raise Skip(NO_CAPTION, "the sample has no .txt")
+            text = caption_text(caption if isinstance(caption, bytes) else read_ref(caption),
+                                name if isinstance(caption, bytes) else caption)
+            if image is None:
+                raise Skip(UNREADABLE, "the sample has no .jpg/.jpeg/.png/.webp")
+            data = image if isinstance(image, bytes) else read_ref(image)
+            return key, load_image(data, table, cfg.max_upscale, resample=resample), text
         except Skip as skip:
-            print(f"warning: {key}: {skip}; skipped", file=sys.stderr)
+            print(f"warning: {name}: {skip}; skipped", file=sys.stderr)
             return key, skip, ""
-        except (OSError, ValueError) as exc:  # an unreadable image / caption file (or its S3 object)
-            print(f"warning: {key}: unreadable ({exc}); skipped", file=sys.stderr)
+        except OSError as exc:  # an image / caption file (or its S3 object) that cannot be read
+            print(f"warning: {name}: {UNREADABLE} ({exc.strerror or exc}); skipped", file=sys.stderr)
             return key, Skip(UNREADABLE, str(exc)), ""
 
     enc = Encoded()
@@ -471,7 +316,8 @@ def encode_unit(unit: Unit, models: Models, cfg: PrecomputeConfig, work: Path, p
         images = torch.stack([b[1] for b in batch]).to(models.device, models.dtype)
         latents = models.vae.encode(images).latent.float().cpu()
         texts = encode_for_shards([b[2] for b in batch], models.tokenizer, models.text_encoder,
-                                  max_tokens=cfg.max_text_tokens, complex_human_instruction=models.chi)
+                                  max_tokens=cfg.max_text_tokens, complex_human_instruction=models.chi,
+                                  caption_text=cfg.caption_text)
         for (key, _, _), lat, txt in zip(batch, latents, texts, strict=True):
             enc.samples.append((key, encode_sample(lat, txt)))
             enc.buckets.append(name)
@@ -520,27 +366,47 @@ def vae_stride(vae: Any) -> int:
     return 2 ** (len(vae.config.encoder_block_out_channels) - 1)
 
 
+#: what a re-run finds of a failed one (the failure messages say so)
+KEPT = "finished shards (those with their shard-NNNNN.json) are kept and skipped"
+
+
+def check_settings(cfg: PrecomputeConfig, out: Output, models: Models, done: dict[str, dict[str, Any]],
+                   previous: dict[str, Any] | None) -> FeatureSettings:
+    """This run's settings, refused in one line if ``out`` holds features made with others."""
+    settings = settings_of(cfg, models)
+    refuse_mixed(cfg.out, recorded_settings(previous, done), settings)
+    return settings
+
+
 def run(cfg: PrecomputeConfig) -> dict[str, Any] | None:
     """Precompute this rank's shards, then (rank 0) merge. Returns the index on rank 0."""
     from tqdm import tqdm
 
     work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="sana-precompute-"))
     work.mkdir(parents=True, exist_ok=True)
-    units = list_units(cfg.input, cfg.samples_per_shard)
+    no_caption: list[str] = []
+    units = list_units(cfg.input, cfg.samples_per_shard, no_caption)
     out = Output(cfg.out, work)
     done = out.markers()
+    previous = out.read_index()
     mine = [u for u in units if u.number % cfg.world_size == cfg.rank]
     todo = [u for u in mine if u.name[:-4] not in done]
     print(f"precompute rank {cfg.rank}/{cfg.world_size}: {len(units)} shards in total, {len(mine)} mine, "
           f"{len(mine) - len(todo)} already done", flush=True)
     models = load_models(cfg, work, with_vae=bool(todo))
+    settings = check_settings(cfg, out, models, done, previous)
+    if cfg.rank == 0:
+        for image in no_caption:
+            print(f"warning: {image}: {NO_CAPTION} ({Path(image).stem}.txt missing); skipped", file=sys.stderr)
+    # part files a killed or disk-full run left for this rank's shards (no other process writes them)
+    out.remove_stale_parts([n for u in mine for n in (u.name, f"{u.name[:-4]}.json")])
     text_dim = models.text_encoder.config.hidden_size
     scaling = float(models.vae.config.scaling_factor) if models.vae is not None else None
     total = sum(len(u.pairs) for u in todo) if all(u.tar is None for u in todo) else None
     # In a batch job's log (no TTY) a progress line every 60 s rather than none at all.
     interactive = sys.stderr.isatty()
-    with ThreadPoolExecutor(cfg.io_workers) as pool, tqdm(total=total, unit="img", desc=f"rank {cfg.rank}",
-                                                          mininterval=0.5 if interactive else 60) as progress:
+    with (disk_full_is_one_line(out.staging, kept=KEPT), ThreadPoolExecutor(cfg.io_workers) as pool,
+          tqdm(total=total, unit="img", desc=f"rank {cfg.rank}", mininterval=0.5 if interactive else 60) as progress):
         for unit in todo:
             enc = encode_unit(unit, models, cfg, work, pool, progress)
             bucketed = cfg.buckets != SQUARE_MODE
@@ -549,18 +415,31 @@ def run(cfg: PrecomputeConfig) -> dict[str, Any] | None:
             marker = {**entry, "latent_shape": next(iter(enc.shapes.values()), []), "text_dim": text_dim,
                       "max_text_tokens": cfg.max_text_tokens, "vae_scaling_factor": scaling,
                       "chi_sha256": models.conditioning.chi_sha256, "skipped": enc.skipped,
-                      "skipped_reasons": enc.reasons, "bucket_table": f"{cfg.buckets}@{cfg.resolution}"}
+                      "skipped_reasons": enc.reasons, "bucket_table": f"{cfg.buckets}@{cfg.resolution}",
+                      SETTINGS_KEY: settings.to_dict()}
             if bucketed:
                 marker["bucket_shapes"] = enc.shapes
                 marker.setdefault("buckets", [])
             out.publish(marker)
     if cfg.rank != 0:
         return None
-    return merge(cfg, out, units, models)
+    return merge(cfg, out, units, models, previous=previous, no_caption=len(no_caption))
 
 
-def merge(cfg: PrecomputeConfig, out: Output, units: Sequence[Unit], models: Models) -> dict[str, Any]:
-    """Rank 0: wait until every shard has its marker, then write null caption + index.json."""
+def merge(cfg: PrecomputeConfig, out: Output, units: Sequence[Unit], models: Models, *,
+          previous: dict[str, Any] | None = None, no_caption: int = 0) -> dict[str, Any]:
+    """Rank 0: wait until every shard has its marker, then write null caption + index.json.
+
+    ``previous``: the index an earlier run wrote (its validation prompts are kept when
+    --validation-prompts is not given); ``no_caption``: images left out for want of a caption."""
+    with disk_full_is_one_line(out.staging, kept=KEPT + "; the merge step is redone"):
+        return _merge(cfg, out, units, models, previous=previous, no_caption=no_caption)
+
+
+def _merge(cfg: PrecomputeConfig, out: Output, units: Sequence[Unit], models: Models, *,
+           previous: dict[str, Any] | None, no_caption: int) -> dict[str, Any]:
+    from safetensors.torch import save as st_save
+
     from training.text_features import encode_for_shards, null_caption
 
     deadline = time.monotonic() + cfg.merge_timeout
@@ -578,33 +457,34 @@ def merge(cfg: PrecomputeConfig, out: Output, units: Sequence[Unit], models: Mod
            for m in markers):
         raise UserError(f"--chi {cfg.chi}: the finished shards in {cfg.out} were encoded with another complex "
                         "human instruction; use the --chi they were made with, or delete them and redo")
+    out.remove_stale_parts([INDEX, NULL_CAPTION, VALIDATION_PROMPTS])
     null = null_caption(models.tokenizer, models.text_encoder, max_tokens=cfg.max_text_tokens)
-    prompts = validation_prompt_list(cfg.validation_prompts)
+    kept = out.recorded_validation_prompts(previous) if cfg.validation_prompts is None else None
+    prompts = kept if kept is not None else validation_prompt_list(cfg.validation_prompts)
     extra: dict[str, Any] = {"text_conditioning": models.conditioning.to_dict(), "validation": {"prompts": prompts}}
+    first = next((m for m in markers if m["samples"]), markers[0])
+    if first.get(SETTINGS_KEY):
+        extra[SETTINGS_KEY] = first[SETTINGS_KEY]
     extra_files: list[str] = []
     if prompts:
-        from safetensors.torch import save_file
-
         rows = encode_for_shards(prompts, models.tokenizer, models.text_encoder, max_tokens=cfg.max_text_tokens,
-                                 complex_human_instruction=models.chi)
-        save_file({f"{i:04d}": r.to(torch.bfloat16).contiguous() for i, r in enumerate(rows)},
-                  str(out.staging / VALIDATION_PROMPTS))
-        from training.files import honour_umask
-
-        honour_umask(out.staging / VALIDATION_PROMPTS)  # save_file writes 0600 (training/files)
+                                 complex_human_instruction=models.chi, caption_text=cfg.caption_text)
+        # written with open()'s mode (0666 & ~umask), not save_file's 0600 (training/files)
+        atomic_write_bytes(out.staging / VALIDATION_PROMPTS,
+                           st_save({f"{i:04d}": r.to(torch.bfloat16).contiguous() for i, r in enumerate(rows)},
+                                   metadata={PROMPTS_METADATA: json.dumps(prompts)}))
         extra["validation"]["file"] = VALIDATION_PROMPTS
         extra_files.append(VALIDATION_PROMPTS)
-    created_by = {"tool": "training.precompute", "input": cfg.input, "vae": cfg.vae,
-                  "text_encoder": cfg.text_encoder, "tokenizer": cfg.tokenizer, "resolution": cfg.resolution,
-                  "buckets": cfg.buckets, "max_upscale": cfg.max_upscale,
-                  "complex_human_instruction": list(models.chi) if models.chi else None,
-                  "dtype": str(models.dtype).removeprefix("torch."),
-                  "skipped": sum(len(m.get("skipped", [])) for m in markers)}
-    reasons: dict[str, int] = {}
+    reasons: dict[str, int] = {NO_CAPTION: no_caption} if no_caption else {}
     for m in markers:
         for reason, n in m.get("skipped_reasons", {}).items():
             reasons[reason] = reasons.get(reason, 0) + n
-    created_by["skipped_reasons"] = reasons
+    created_by = {"tool": "training.precompute", "input": cfg.input, "vae": cfg.vae,
+                  "text_encoder": cfg.text_encoder, "tokenizer": cfg.tokenizer, "resolution": cfg.resolution,
+                  "buckets": cfg.buckets, "max_upscale": cfg.max_upscale, "caption_text": cfg.caption_text,
+                  "complex_human_instruction": list(models.chi) if models.chi else None,
+                  "dtype": str(models.dtype).removeprefix("torch."), "skipped": sum(reasons.values()),
+                  "skipped_reasons": reasons}
     index = out.write_index(markers, null, created_by, extra, extra_files)
     print(f"precompute: {index['num_samples']} samples in {len(index['shards'])} shards -> {cfg.out}; "
           f"{index['bytes_per_sample']:.0f} bytes/sample", flush=True)
@@ -636,16 +516,20 @@ def parse_args(argv: Sequence[str] | None) -> PrecomputeConfig:
     p.add_argument("--tokenizer", help="tokenizer directory (default: the text encoder's)")
     p.add_argument("--resolution", type=int, help="square side (default 512), or the side of the bucket "
                                                   "table's 1.0 bucket (default: the table's own)")
-    p.add_argument("--buckets", default=SQUARE_MODE, choices=[SQUARE_MODE, *TABLES],
-                   help="square: centre-crop to --resolution; 512/1024/2048: NVlabs Sana's aspect-ratio buckets")
+    p.add_argument("--buckets", choices=[*TABLES, SQUARE_MODE],
+                   help="512/1024/2048: NVlabs Sana's aspect-ratio training buckets (default: the table of "
+                        "--resolution, else 512's scaled to it: Sana's multi_scale); square: centre-crop to --resolution")
     p.add_argument("--max-upscale", type=float, default=2.0,
                    help="skip images that need more upscaling than this to cover their bucket (default 2)")
     p.add_argument("--max-text-tokens", type=int, default=300)
     p.add_argument("--chi", default="sana",
                    help="complex human instruction: sana (NVlabs Sana's, default), diffusers (SanaPipeline's), "
                         "none, or FILE (one line each)")
+    p.add_argument("--caption-text", default="sana", choices=list(CAPTION_TEXT),
+                   help="sana: the raw caption after the CHI (NVlabs Sana's train.py, default); diffusers: "
+                        "lower-cased and stripped first (SanaPipeline's preprocessing)")
     p.add_argument("--validation-prompts", help="prompts for validation images, one a line, or none "
-                                                "(default: a built-in list of six)")
+                                                "(default: those --out already records, else a built-in six)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--samples-per-shard", type=int, default=1000)
     p.add_argument("--device", default="auto")
@@ -658,7 +542,7 @@ def parse_args(argv: Sequence[str] | None) -> PrecomputeConfig:
     return PrecomputeConfig(input=a.input, out=a.out, vae=a.vae, text_encoder=a.text_encoder,
                             tokenizer=a.tokenizer or a.text_encoder, resolution=a.resolution,
                             buckets=a.buckets, max_upscale=a.max_upscale,
-                            max_text_tokens=a.max_text_tokens, chi=a.chi,
+                            max_text_tokens=a.max_text_tokens, chi=a.chi, caption_text=a.caption_text,
                             validation_prompts=a.validation_prompts, batch_size=a.batch_size,
                             samples_per_shard=a.samples_per_shard, device=a.device, dtype=a.dtype,
                             work_dir=a.work_dir, merge_only=a.merge_only, merge_timeout=a.merge_timeout,
@@ -671,8 +555,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     if cfg.merge_only:
         work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="sana-precompute-"))
         out = Output(cfg.out, work)
-        return merge(cfg, out, list_units(cfg.input, cfg.samples_per_shard),
-                     load_models(cfg, work, with_vae=False))
+        no_caption: list[str] = []
+        units = list_units(cfg.input, cfg.samples_per_shard, no_caption)
+        previous = out.read_index()
+        models = load_models(cfg, work, with_vae=False)
+        check_settings(cfg, out, models, out.markers(), previous)
+        return merge(cfg, out, units, models, previous=previous, no_caption=len(no_caption))
     return run(cfg)
 
 

@@ -1,17 +1,26 @@
-"""Caption -> Gemma-2 embedding, exactly as diffusers' SanaPipeline conditions the model.
+"""Caption -> Gemma-2 embedding, as NVlabs Sana trains and diffusers' SanaPipeline conditions.
 
-Training must see the embeddings inference will feed, so this follows
-``SanaPipeline.encode_prompt`` / ``_get_gemma_prompt_embeds`` (diffusers 0.42) step by
-step: lower-case + strip (``clean_caption=False``), optional complex-human-instruction
-(CHI) prefix, right padding to ``max_length_all`` (N, or CHI tokens + N - 2), Gemma-2 with
-the attention mask, then keep the first token and the last N-1 positions
-(``select_index = [0] + list(range(-N + 1, 0))``, Sana paper section 3.1). Without CHI
-that selection is the identity.
+Training must see the embeddings inference will feed, so this follows Sana's
+``train_scripts/train.py`` (the text-feature branch for gemma) and
+``SanaPipeline.encode_prompt`` / ``_get_gemma_prompt_embeds`` (diffusers 0.42), which agree
+on every step but the first: the optional complex-human-instruction (CHI) prefix, right
+padding to ``max_length_all`` (N, or CHI tokens + N - 2), Gemma-2 with the attention mask,
+then keep the first token and the last N-1 positions (``select_index = [0] +
+list(range(-N + 1, 0))``, Sana paper section 3.1). Without CHI that selection is the identity.
+
+The first step is the caption text (``--caption-text`` of precompute, recorded as
+``TextConditioning.caption_text``): ``sana`` (default) prefixes the CHI to the raw caption,
+as Sana's train.py does (``prompt = [chi_prompt + i for i in batch[1]]``); ``diffusers``
+lower-cases and strips it first, as the pipeline's ``_text_preprocessing`` does with
+``clean_caption=False``.
 
 The selected mask is always a prefix of ones (padding is on the right), so a caption is
 stored as its first ``mask.sum()`` rows only; ``training.data`` restores the padding.
-The empty caption for classifier-free guidance is encoded without CHI, as the pipeline
-encodes its negative prompt.
+The empty caption for classifier-free guidance is encoded without CHI, as Sana's train.py
+encodes its ``null_embed`` (``tokenizer("", max_length=N, padding="max_length")``) and the
+pipeline its negative prompt, and is stored whole: all N rows, the padding positions'
+encodings included, because Sana's dropout swaps in the full null encoding
+(training/objective.py).
 
 Which CHI (``--chi`` of precompute): ``sana`` (default) is the ``text_encoder.chi_prompt``
 list every NVlabs Sana training config uses (NVlabs/Sana
@@ -60,6 +69,9 @@ SANA_CHI: tuple[str, ...] = (
 )
 #: ``--chi`` names precompute takes besides a file path
 CHI_CHOICES = ("sana", "diffusers", "none")
+#: ``--caption-text``: "sana" = the raw caption (Sana's train.py), "diffusers" = lower-cased and
+#: stripped (SanaPipeline ``_text_preprocessing`` with ``clean_caption=False``)
+CAPTION_TEXT = ("sana", "diffusers")
 #: file an exported / pretrained transformer directory records its text conditioning in
 CONDITIONING_FILE = "text_conditioning.json"
 
@@ -133,15 +145,18 @@ class TextConditioning:
     tokenizer: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     #: {"path", "class", "name_or_path", "hidden_size", "num_hidden_layers", "dtype", "fingerprint"}
     text_encoder: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: how the caption text was prepared before the CHI: "sana" (raw) or "diffusers" (lower +
+    #: strip); None = not recorded (features from before the choice existed: lower + strip)
+    caption_text: str | None = None
 
     @classmethod
     def of(cls, lines: Sequence[str] | None, *, max_text_tokens: int | None = None,
-           tokenizer: Mapping[str, Any] | None = None, text_encoder: Mapping[str, Any] | None = None
-           ) -> TextConditioning:
+           tokenizer: Mapping[str, Any] | None = None, text_encoder: Mapping[str, Any] | None = None,
+           caption_text: str | None = None) -> TextConditioning:
         lines = tuple(lines) if lines else None
         return cls(chi=chi_name(lines), complex_human_instruction=lines, chi_sha256=chi_sha256(lines),
                    max_text_tokens=max_text_tokens, tokenizer=dict(tokenizer or {}),
-                   text_encoder=dict(text_encoder or {}))
+                   text_encoder=dict(text_encoder or {}), caption_text=caption_text)
 
     @property
     def known(self) -> bool:
@@ -161,7 +176,8 @@ class TextConditioning:
         lines = data.get("complex_human_instruction")
         return cls(chi=data["chi"], complex_human_instruction=tuple(lines) if lines else None,
                    chi_sha256=data.get("chi_sha256"), max_text_tokens=data.get("max_text_tokens"),
-                   tokenizer=dict(data.get("tokenizer") or {}), text_encoder=dict(data.get("text_encoder") or {}))
+                   tokenizer=dict(data.get("tokenizer") or {}), text_encoder=dict(data.get("text_encoder") or {}),
+                   caption_text=data.get("caption_text"))
 
     @classmethod
     def from_index(cls, raw: Mapping[str, Any]) -> TextConditioning:
@@ -215,15 +231,23 @@ def warn_if_unexpected(pretrained: str | None, model: torch.nn.Module, data: Tex
     return msg
 
 
+def caption_prompts(captions: Sequence[str], caption_text: str) -> list[str]:
+    """The caption text the CHI is prefixed to (see the module docstring)."""
+    if caption_text not in CAPTION_TEXT:
+        raise ValueError(f"caption_text: {caption_text!r} is not one of {', '.join(CAPTION_TEXT)}")
+    return list(captions) if caption_text == "sana" else [c.lower().strip() for c in captions]
+
+
 @torch.no_grad()
 def encode_captions(captions: Sequence[str], tokenizer, text_encoder, *, max_tokens: int = 300,
-                    complex_human_instruction: Sequence[str] | None = None
+                    complex_human_instruction: Sequence[str] | None = None, caption_text: str = "sana"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded embeddings ``[B, max_tokens, D]`` and mask ``[B, max_tokens]`` as SanaPipeline
-    produces them (in the text encoder's dtype, on its device)."""
+    """Padded embeddings ``[B, max_tokens, D]`` and mask ``[B, max_tokens]`` (in the text
+    encoder's dtype, on its device). ``caption_text="diffusers"`` gives exactly what
+    SanaPipeline.encode_prompt gives (tests/training/test_precompute.py)."""
     device = next(text_encoder.parameters()).device
     tokenizer.padding_side = "right"
-    prompts = [c.lower().strip() for c in captions]
+    prompts = caption_prompts(captions, caption_text)
     if complex_human_instruction:
         chi = "\n".join(complex_human_instruction)
         prompts = [chi + p for p in prompts]
@@ -250,12 +274,17 @@ def real_tokens(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
 
 
 def encode_for_shards(captions: Sequence[str], tokenizer, text_encoder, *, max_tokens: int = 300,
-                      complex_human_instruction: Sequence[str] | None = None) -> list[torch.Tensor]:
+                      complex_human_instruction: Sequence[str] | None = None,
+                      caption_text: str = "sana") -> list[torch.Tensor]:
     embeds, mask = encode_captions(captions, tokenizer, text_encoder, max_tokens=max_tokens,
-                                   complex_human_instruction=complex_human_instruction)
+                                   complex_human_instruction=complex_human_instruction, caption_text=caption_text)
     return real_tokens(embeds, mask)
 
 
-def null_caption(tokenizer, text_encoder, *, max_tokens: int = 300) -> torch.Tensor:
-    """The empty caption's real-token rows ``[n, D]`` (n = 1 for Gemma: just <bos>)."""
-    return encode_for_shards([""], tokenizer, text_encoder, max_tokens=max_tokens)[0]
+def null_caption(tokenizer, text_encoder, *, max_tokens: int = 300) -> tuple[torch.Tensor, torch.Tensor]:
+    """The empty caption's full encoding ``[N, D]`` (CPU) and its own mask ``[N]`` (Gemma:
+    ``<bos>`` then padding, mask ``[1, 0, ...]``): Sana's ``null_embed``, which its dropout
+    swaps in whole (NVlabs Sana train_scripts/train.py ``null_token_emb``;
+    diffusion/utils/checkpoint.py loads it as ``y_embedder.y_embedding``)."""
+    embeds, mask = encode_captions([""], tokenizer, text_encoder, max_tokens=max_tokens)
+    return embeds[0].detach().cpu(), mask[0].detach().cpu().to(torch.int64)

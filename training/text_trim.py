@@ -15,9 +15,11 @@ a bias"), so a masked key gets softmax weight exp(-10000) = 0 in fp32; the capti
 projection (``PixArtAlphaTextProjection``: linear-GELU-linear) and ``caption_norm``
 (RMSNorm over the channel axis) work per token; nothing else reads the caption. Real tokens
 are a prefix of every row (training/data.py collate writes ``mask[row, :n] = 1``), so
-keeping the first ``L >= longest`` columns keeps all of them. The objective's null caption
-(caption dropout) is cut to the same length (training/objective.py): its real tokens are
-kept because the trim length never goes below them (``floor``).
+keeping the first ``L >= longest`` columns keeps all of them. The objective's null encoding
+(caption dropout) is cut to the same length (training/objective.py): a dropped caption keeps
+its own mask, so only its first ``len(caption) <= L`` null rows are attended (the trim is
+exact for dropped captions too); ``floor`` keeps the trim at or above a minimum length
+(the loop passes the null caption's own real tokens).
 tests/training/test_text_trim.py checks loss and gradients on a trimmed batch against the
 untrimmed one.
 

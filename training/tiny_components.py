@@ -1,6 +1,11 @@
 """Tiny random VAE, text encoder and tokenizer saved as local model directories, built offline.
 
-Used by the tests, by ``python -m training.demo`` and by the export test: the real
+    python -m training.tiny_components OUT [--images RAW --num 24]
+
+writes ``OUT/vae``, ``OUT/text_encoder`` and ``OUT/tokenizer`` (and with ``--images`` a folder
+of synthetic image + caption pairs in precompute's input layout): the models of the offline
+loop in runbooks/data.md. Used by the tests, by ``python -m training.demo`` and by the export
+test: the real
 classes (diffusers AutoencoderDC, transformers Gemma2Model, a fast tokenizer) at sizes
 that run in milliseconds on CPU, so precompute and SanaPipeline run their true code
 paths without downloading a single weight. The sizes follow diffusers' own Sana pipeline
@@ -15,11 +20,17 @@ ids (<pad>=0, <eos>=1, <bos>=2, <unk>=3) and its "<bos> text" template.
 
 from __future__ import annotations
 
+import argparse
 import io
+import json
 import random
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from training.errors import UserError, exits_cleanly
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 COLOURS = ["red", "green", "blue", "yellow", "white", "black", "purple", "orange"]
@@ -150,3 +161,28 @@ def write_webdataset_tars(out_dir: str | Path, *, num: int, per_tar: int, size: 
                     tar.addfile(info, io.BytesIO(data))
         tars.append(path)
     return tars
+
+
+@exits_cleanly
+def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
+    p = argparse.ArgumentParser(prog="python -m training.tiny_components", description=__doc__.splitlines()[0])
+    p.add_argument("out", help="directory for vae/, text_encoder/ and tokenizer/")
+    p.add_argument("--images", help="also write synthetic image + .txt caption pairs here (precompute's input)")
+    p.add_argument("--num", type=int, default=24, help="how many pairs with --images (default 24)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.num < 1:
+        raise UserError(f"--num: must be >= 1, got {args.num}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: exists and is not a directory; give a directory for the tiny models")
+    paths = build_tiny_components(out, seed=args.seed)
+    if args.images:
+        write_image_caption_folder(args.images, num=args.num, seed=args.seed)
+        paths = {**paths, "images": Path(args.images)}
+    print(json.dumps({name: str(path) for name, path in paths.items()}), flush=True)
+    return paths
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

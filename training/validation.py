@@ -29,6 +29,16 @@ keep ``num_inference_steps``, the prompt count or ``size`` small there.
 Sana's own training does the same (NVlabs/Sana train_scripts/train.py ``log_validation``:
 precomputed prompt embeddings, the null embedding as the unconditional input, CFG 4.5,
 ``eval_sampling_steps: 500`` in its configs) but draws its noise from the global RNG.
+
+The sampler is Sana's ``vis_sampler: flow_dpm-solver`` (every config in NVlabs Sana
+configs/sana_config/; train.py runs it with ``steps=20, order=2, method="multistep",
+skip_type="time_uniform_flow", flow_shift=config.scheduler.flow_shift``), in diffusers'
+form: ``DPMSolverMultistepScheduler(flow_shift=..., use_flow_sigmas=True,
+prediction_type="flow_prediction")``, exactly the scheduler diffusers'
+scripts/convert_sana_to_diffusers.py ships Sana's pipelines with (its default
+``--scheduler_type flow-dpm_solver``; solver_order 2, multistep). ``sampler: flow_euler``
+picks Sana's other one (``FlowMatchEulerDiscreteScheduler(shift=...)``, the convert script's
+``flow-euler``).
 """
 
 from __future__ import annotations
@@ -50,6 +60,21 @@ from training.errors import UserError
 
 log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: Sana's ``scheduler.vis_sampler`` names (the flow ones)
+SAMPLERS = ("flow_dpm-solver", "flow_euler")
+
+
+def sana_scheduler(sampler: str, flow_shift: float) -> Any:
+    """The diffusers scheduler for Sana's ``vis_sampler`` ``sampler`` at ``flow_shift``, as
+    diffusers scripts/convert_sana_to_diffusers.py builds it (see the module docstring)."""
+    from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
+
+    if sampler == "flow_dpm-solver":
+        return DPMSolverMultistepScheduler(flow_shift=flow_shift, use_flow_sigmas=True,
+                                           prediction_type="flow_prediction")
+    if sampler == "flow_euler":
+        return FlowMatchEulerDiscreteScheduler(shift=flow_shift)
+    raise ValueError(f"sampler {sampler!r}: choose one of {', '.join(SAMPLERS)}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -64,7 +89,10 @@ class ValidationConfig:
     prompts_file: str = ""
     #: the fixed noise: torch.Generator seed (the same images every time at the same weights)
     seed: int = 0
-    #: flow-matching Euler steps per image
+    #: Sana's vis_sampler: "flow_dpm-solver" (DPM-Solver++ order 2 on flow sigmas, Sana's
+    #: configs) or "flow_euler"
+    sampler: str = "flow_dpm-solver"
+    #: sampling steps per image (Sana's flow_dpm-solver: 20)
     num_inference_steps: int = 20
     #: classifier-free guidance scale (Sana: 4.5); the negative is the precomputed empty caption
     guidance_scale: float = 4.5
@@ -86,6 +114,8 @@ class ValidationConfig:
             raise ValueError("validation.prompts: must be a list of prompt strings")
         if self.prompts and self.prompts_file:
             raise ValueError("validation.prompts: give prompts or prompts_file, not both")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"validation.sampler: {self.sampler!r}; choose {' or '.join(SAMPLERS)}")
         if self.num_inference_steps < 1:
             raise ValueError("validation.num_inference_steps: must be >= 1")
         if self.guidance_scale < 0:
@@ -262,7 +292,7 @@ class Validation:
 
     @torch.no_grad()
     def _render(self, step: int, weights: dict[str, torch.Tensor]) -> Path:
-        from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+        from diffusers import SanaPipeline, SanaTransformer2DModel
         from PIL import Image
 
         started = time.perf_counter()
@@ -281,10 +311,10 @@ class Validation:
             transformer.load_state_dict(weights, strict=True)  # casts into the copy's dtype
             transformer.to(self.device)
             self.vae.to(self.device)
-            # Flow-matching Euler with the training flow shift (Sana's "flow_euler" vis sampler).
+            # Sana's vis sampler at the training flow shift (a fresh scheduler: it keeps step state).
             # No tokenizer / text encoder: the embeddings are given, so encode_prompt encodes nothing.
             pipe = SanaPipeline(tokenizer=None, text_encoder=None, vae=self.vae, transformer=transformer,
-                                scheduler=FlowMatchEulerDiscreteScheduler(shift=self.flow_shift))
+                                scheduler=sana_scheduler(self.cfg.sampler, self.flow_shift))
             pipe.set_progress_bar_config(disable=True)
             images = []
             for i in range(len(self.prompts)):

@@ -280,10 +280,71 @@ def test_index_whose_bucket_counts_disagree_with_the_shards_is_refused(bucketed:
         FeatureIndex.load(copy)
 
 
+#: NVlabs Sana diffusion/data/datasets/utils.py, the training tables its configs name in
+#: ``model.aspect_ratio_type`` (configs/sana_config/512ms/Sana_600M_img512.yaml: ASPECT_RATIO_512,
+#: 1024ms/*: ASPECT_RATIO_1024, 2048ms/*: ASPECT_RATIO_2048), transcribed entry for entry.
+SANA_ASPECT_RATIO_512 = {
+    "0.25": [256.0, 1024.0], "0.26": [256.0, 992.0], "0.27": [256.0, 960.0], "0.28": [256.0, 928.0],
+    "0.32": [288.0, 896.0], "0.33": [288.0, 864.0], "0.35": [288.0, 832.0], "0.4": [320.0, 800.0],
+    "0.42": [320.0, 768.0], "0.48": [352.0, 736.0], "0.5": [352.0, 704.0], "0.52": [352.0, 672.0],
+    "0.57": [384.0, 672.0], "0.6": [384.0, 640.0], "0.68": [416.0, 608.0], "0.72": [416.0, 576.0],
+    "0.78": [448.0, 576.0], "0.82": [448.0, 544.0], "0.88": [480.0, 544.0], "0.94": [480.0, 512.0],
+    "1.0": [512.0, 512.0], "1.07": [512.0, 480.0], "1.13": [544.0, 480.0], "1.21": [544.0, 448.0],
+    "1.29": [576.0, 448.0], "1.38": [576.0, 416.0], "1.46": [608.0, 416.0], "1.67": [640.0, 384.0],
+    "1.75": [672.0, 384.0], "2.0": [704.0, 352.0], "2.09": [736.0, 352.0], "2.4": [768.0, 320.0],
+    "2.5": [800.0, 320.0], "2.89": [832.0, 288.0], "3.0": [864.0, 288.0], "3.11": [896.0, 288.0],
+    "3.62": [928.0, 256.0], "3.75": [960.0, 256.0], "3.88": [992.0, 256.0], "4.0": [1024.0, 256.0],
+}
+SANA_ASPECT_RATIO_1024 = {
+    "0.25": [512.0, 2048.0], "0.26": [512.0, 1984.0], "0.27": [512.0, 1920.0], "0.28": [512.0, 1856.0],
+    "0.32": [576.0, 1792.0], "0.33": [576.0, 1728.0], "0.35": [576.0, 1664.0], "0.4": [640.0, 1600.0],
+    "0.42": [640.0, 1536.0], "0.48": [704.0, 1472.0], "0.5": [704.0, 1408.0], "0.52": [704.0, 1344.0],
+    "0.57": [768.0, 1344.0], "0.6": [768.0, 1280.0], "0.68": [832.0, 1216.0], "0.72": [832.0, 1152.0],
+    "0.78": [896.0, 1152.0], "0.82": [896.0, 1088.0], "0.88": [960.0, 1088.0], "0.94": [960.0, 1024.0],
+    "1.0": [1024.0, 1024.0], "1.07": [1024.0, 960.0], "1.13": [1088.0, 960.0], "1.21": [1088.0, 896.0],
+    "1.29": [1152.0, 896.0], "1.38": [1152.0, 832.0], "1.46": [1216.0, 832.0], "1.67": [1280.0, 768.0],
+    "1.75": [1344.0, 768.0], "2.0": [1408.0, 704.0], "2.09": [1472.0, 704.0], "2.4": [1536.0, 640.0],
+    "2.5": [1600.0, 640.0], "2.89": [1664.0, 576.0], "3.0": [1728.0, 576.0], "3.11": [1792.0, 576.0],
+    "3.62": [1856.0, 512.0], "3.75": [1920.0, 512.0], "3.88": [1984.0, 512.0], "4.0": [2048.0, 512.0],
+}
+SANA_ASPECT_RATIO_2048 = {
+    "0.25": [1024.0, 4096.0], "0.26": [1024.0, 3968.0], "0.27": [1024.0, 3840.0], "0.28": [1024.0, 3712.0],
+    "0.32": [1152.0, 3584.0], "0.33": [1152.0, 3456.0], "0.35": [1152.0, 3328.0], "0.4": [1280.0, 3200.0],
+    "0.42": [1280.0, 3072.0], "0.48": [1408.0, 2944.0], "0.5": [1408.0, 2816.0], "0.52": [1408.0, 2688.0],
+    "0.57": [1536.0, 2688.0], "0.6": [1536.0, 2560.0], "0.68": [1664.0, 2432.0], "0.72": [1664.0, 2304.0],
+    "0.78": [1792.0, 2304.0], "0.82": [1792.0, 2176.0], "0.88": [1920.0, 2176.0], "0.94": [1920.0, 2048.0],
+    "1.0": [2048.0, 2048.0], "1.07": [2048.0, 1920.0], "1.13": [2176.0, 1920.0], "1.21": [2176.0, 1792.0],
+    "1.29": [2304.0, 1792.0], "1.38": [2304.0, 1664.0], "1.46": [2432.0, 1664.0], "1.67": [2560.0, 1536.0],
+    "1.75": [2688.0, 1536.0], "2.0": [2816.0, 1408.0], "2.09": [2944.0, 1408.0], "2.4": [3072.0, 1280.0],
+    "2.5": [3200.0, 1280.0], "2.89": [3328.0, 1152.0], "3.0": [3456.0, 1152.0], "3.11": [3584.0, 1152.0],
+    "3.62": [3712.0, 1024.0], "3.75": [3840.0, 1024.0], "3.88": [3968.0, 1024.0], "4.0": [4096.0, 1024.0],
+}
+SANA_TABLES = {"512": SANA_ASPECT_RATIO_512, "1024": SANA_ASPECT_RATIO_1024, "2048": SANA_ASPECT_RATIO_2048}
+
+
 @pytest.mark.parametrize("table", ["512", "1024", "2048"])
-def test_training_bucket_is_the_bin_sana_pipeline_samples_at(table: str):
-    """An image of h x w trains in the bucket SanaPipeline snaps an h x w request to
-    (diffusers PixArtImageProcessor.classify_height_width_bin over the same table)."""
+def test_training_tables_are_sanas_40_entry_tables(table: str):
+    from training.data import aspect_ratio_table
+
+    ours = aspect_ratio_table(table)
+    assert len(ours) == 40 and list(ours) == list(SANA_TABLES[table])  # same keys, same order
+    assert ours == {k: (int(h), int(w)) for k, (h, w) in SANA_TABLES[table].items()}
+    for missing_at_inference in ("0.26", "0.27", "2.89", "3.11", "3.62", "3.75", "3.88"):
+        assert missing_at_inference in ours
+
+
+def sana_get_closest_ratio(height: float, width: float, ratios: dict) -> str:
+    """NVlabs Sana diffusion/data/transforms.py ``get_closest_ratio``: the key nearest h/w."""
+    aspect_ratio = height / width
+    return min(ratios.keys(), key=lambda ratio: abs(float(ratio) - aspect_ratio))
+
+
+@pytest.mark.parametrize("table", ["512", "1024", "2048"])
+def test_images_go_to_sanas_training_bucket_and_every_inference_bin_is_trained(table: str):
+    """An image of h x w trains in the bucket Sana's get_closest_ratio picks from its 40-entry
+    table, and every size SanaPipeline snaps a request to (diffusers' *_BIN tables: 33 entries at
+    512 and 1024, all 40 at 2048; PixArtImageProcessor.classify_height_width_bin) is one of
+    those training buckets."""
     from diffusers.image_processor import PixArtImageProcessor
     from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
         ASPECT_RATIO_512_BIN,
@@ -293,8 +354,24 @@ def test_training_bucket_is_the_bin_sana_pipeline_samples_at(table: str):
 
     from training.data import aspect_ratio_table, nearest_bucket
 
-    bins = {"512": ASPECT_RATIO_512_BIN, "1024": ASPECT_RATIO_1024_BIN, "2048": ASPECT_RATIO_2048_BIN}[table]
     ours = aspect_ratio_table(table)
+    bins = {"512": ASPECT_RATIO_512_BIN, "1024": ASPECT_RATIO_1024_BIN, "2048": ASPECT_RATIO_2048_BIN}[table]
+    assert len(bins) == (40 if table == "2048" else 33) and set(bins) <= set(ours)
+    trained = set(ours.values())
     for h in range(64, 4097, 61):
         for w in (100, 333, 512, 777, 1024, 2000, 4096):
-            assert ours[nearest_bucket(h, w, ours)] == PixArtImageProcessor.classify_height_width_bin(h, w, bins)
+            assert nearest_bucket(h, w, ours) == sana_get_closest_ratio(h, w, SANA_TABLES[table])
+            assert PixArtImageProcessor.classify_height_width_bin(h, w, bins) in trained
+
+
+def test_resize_is_sanas_cover_then_crop_with_its_filter():
+    """sana_data_multi_scale.py getdata: scale by the larger factor, ``int()`` the other side;
+    BICUBIC, LANCZOS for the 2048 table (``interpolate_model``)."""
+    from training.data.buckets import cover_resize, resample_filter
+
+    for (h, w), target in [((1000, 777), (544, 448)), ((333, 1000), (256, 992)), ((4096, 100), (1024, 256))]:
+        th, tw = target
+        want = (th, int(w * th / h)) if th / h > tw / w else (int(h * tw / w), tw)
+        assert cover_resize(h, w, target) == want and want[0] >= th and want[1] >= tw
+    assert [resample_filter(t) for t in ("512", "1024", "2048", "square")] == ["BICUBIC", "BICUBIC", "LANCZOS",
+                                                                             "BICUBIC"]

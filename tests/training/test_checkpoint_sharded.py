@@ -79,23 +79,38 @@ def _zero1_rank(full: dict[str, dict[str, torch.Tensor]], params: dict[str, torc
     def shard(t: torch.Tensor) -> torch.Tensor:
         return F.pad(t, [0, 0] * (t.dim() - 1) + [0, (-t.shape[0]) % world]).chunk(world)[rank].clone()
 
+    from training.came import REPLICATED_STATE
+
     pairs = [(name, p, shard(p)) for name, p in params.items()]
-    state = {s: {k: (shard(v) if v.dim() else v.clone()) for k, v in full[name].items()} for name, _, s in pairs}
+    # CAME's column statistics are whole on every rank (training/came.py); the rest is rows
+    state = {s: {k: (shard(v) if v.dim() and k not in REPLICATED_STATE else v.clone()) for k, v in full[name].items()}
+             for name, _, s in pairs}
     return pairs, state
 
 
+def _full_state(p: torch.Tensor, optimizer: str) -> dict[str, torch.Tensor]:
+    """An optimizer's state for ``p`` as the portable format holds it (full tensors)."""
+    if optimizer == "adamw" or p.dim() == 1:
+        return {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+    rows, cols = p.shape
+    return {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(p), "exp_avg_sq_row": torch.rand(rows),
+            "exp_avg_sq_col": torch.rand(cols), "exp_avg_res_row": torch.rand(rows), "exp_avg_res_col": torch.rand(cols)}
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "came"])
 @pytest.mark.parametrize(("n", "m"), [(3, 2), (2, 5), (1, 4)])
-def test_zero1_shards_written_by_n_ranks_load_onto_m_ranks_exactly(tmp_path, n, m):
+def test_zero1_shards_written_by_n_ranks_load_onto_m_ranks_exactly(tmp_path, n, m, optimizer):
     """The ZeRO-1 checkpoint logic in one process (XLA collectives cannot run across
     processes on PJRT CPU): each of n ranks writes only its own shard's moments; m ranks
-    each load exactly the padded shard ``_shard_tensor`` would have given them."""
+    each load exactly the padded shard ``_shard_tensor`` would have given them. For CAME the
+    row statistics are rows too and the column statistics whole (a 7x3 weight on 3 ranks has
+    3-row shards and 3 columns: told apart by name, not by shape)."""
     from training.backends.state import zero1_load_sharded_state, zero1_sharded_state
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 7), nn.Linear(7, 2))
     params = dict(model.named_parameters())
-    full = {name: {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
-            for name, p in params.items()}
+    full = {name: _full_state(p, optimizer) for name, p in params.items()}
     groups = [{"lr": 0.1, "params": list(model.parameters())}]
     files = []
     for rank in range(n):

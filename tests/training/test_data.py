@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -76,11 +77,24 @@ def test_round_trip_shapes_masks_values(features: Path):
     assert loader.steps_per_epoch == 12 and len(set(seen)) == 48
 
 
-def test_null_caption_padded_with_mask(features: Path):
+def test_null_caption_is_the_full_encoding_with_its_own_mask(features: Path):
     loader = FeatureLoader(features, batch_size=4, prefetch=0)
     text, mask = loader.null_caption()
     assert text.shape == (16, 32) and mask.tolist() == [1] + [0] * 15
-    assert text[0].any() and not text[1:].any()
+    assert text[0].any() and text[1:].any()  # the padding positions' rows are stored too
+
+
+def test_an_older_real_rows_only_null_caption_is_padded_and_warned_about(features: Path, tmp_path: Path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    old = tmp_path / "old"
+    shutil.copytree(features, old)
+    stored = load_file(old / "null_caption.safetensors")
+    save_file({"text": stored["text"][:1]}, old / "null_caption.safetensors")
+    with caplog.at_level("WARNING"), FeatureLoader(old, batch_size=4, prefetch=0, verify=False) as loader:
+        text, mask = loader.null_caption()
+    assert text.shape == (16, 32) and mask.tolist() == [1] + [0] * 15 and not text[1:].any()
+    assert "re-run precompute --merge-only" in caplog.text
 
 
 def test_shuffle_is_deterministic_per_seed_and_epoch(features: Path):

@@ -30,14 +30,52 @@ def act600():
 
 
 def test_state_bytes_follow_precision_and_zero1(act600) -> None:
-    plain = estimate(cfg_of("trn-sana-600m-512.yaml"), world_size=32, activations=act600)
+    adamw = ("optim.name=adamw", "optim.betas=null", "optim.eps=null")  # AdamW's own defaults
+    plain = estimate(cfg_of("trn-sana-600m-512.yaml", *adamw), world_size=32, activations=act600)
     p = plain.parameters
     assert 590e6 < p < 593e6  # sana-600m-512, as tests/training/test_model.py counts it
     assert (plain.weights, plain.gradients, plain.optimizer) == (4 * p, 4 * p, 8 * p)  # fp32 masters + AdamW
-    zero = estimate(cfg_of("trn-sana-600m-512.yaml", "trainium.zero1=true"), world_size=32, activations=act600)
+    zero = estimate(cfg_of("trn-sana-600m-512.yaml", *adamw, "trainium.zero1=true"), world_size=32, activations=act600)
     assert zero.optimizer == 16 * p // 32  # fp32 master + 2 moments + grad shard, over 32 ranks
-    bf16 = estimate(cfg_of("trn-sana-600m-512.yaml", "precision=bf16"), world_size=32, activations=act600)
+    bf16 = estimate(cfg_of("trn-sana-600m-512.yaml", *adamw, "precision=bf16"), world_size=32, activations=act600)
     assert (bf16.weights, bf16.optimizer) == (2 * p, 4 * p)
+
+
+def test_came_state_is_counted_as_came_keeps_it(act600) -> None:
+    """The preset's CAME: fp32 state whatever the weights' dtype, exp_avg in full, factored
+    second moments (row + column statistics) for the linears and 1x1 convs. The count of
+    ``optimizer_state_elements`` is what a real CAME holds after a step."""
+    import torch
+
+    from training.came import CAME
+    from training.memory import optimizer_state_elements
+    from training.model import ModelConfig, build_model
+
+    model = build_model(ModelConfig(preset="tiny"))
+    opt = CAME(model.parameters())
+    for q in model.parameters():
+        q.grad = torch.ones_like(q)
+    opt.step()
+    held = sum(v.numel() for st in opt.state.values() for k, v in st.items() if k != "step")
+    rows, whole = optimizer_state_elements([tuple(q.shape) for q in model.parameters()], "came")
+    assert rows + whole == held and whole == sum(v.numel() for st in opt.state.values()
+                                                 for k, v in st.items() if k.endswith("_col"))
+
+    came = estimate(cfg_of("trn-sana-600m-512.yaml"), world_size=32, activations=act600)
+    p = came.parameters
+    assert 4 * p < came.optimizer < 4.2 * p  # vs AdamW's 8p in bf16-mixed
+    rows, whole = optimizer_state_elements([tuple(s) for s in _shapes_of("trn-sana-600m-512.yaml")], "came")
+    assert came.optimizer == (rows + whole) * 4
+    bf16 = estimate(cfg_of("trn-sana-600m-512.yaml", "precision=bf16"), world_size=32, activations=act600)
+    assert bf16.optimizer == came.optimizer  # CAME computes in fp32 from bf16 gradients too
+    zero = estimate(cfg_of("trn-sana-600m-512.yaml", "trainium.zero1=true"), world_size=32, activations=act600)
+    assert zero.optimizer == (8 * p + 4 * rows) // 32 + 4 * whole  # master + grad + state rows, columns whole
+
+
+def _shapes_of(name: str):
+    from training.memory import trainable_shapes
+
+    return trainable_shapes(cfg_of(name))
 
 
 def test_activations_scale_with_batch_and_checkpointing_cuts_them(act600) -> None:
@@ -100,11 +138,13 @@ def test_trainium_entrypoint_refuses_before_creating_a_device(capsys, monkeypatc
 def test_gpu_state_bytes_follow_the_mesh() -> None:
     from training.memory import estimate_gpu
 
-    cfg = cfg_of("sana-1600m-1024.yaml")
+    cfg = cfg_of("sana-1600m-1024.yaml", "optim.name=adamw", "optim.betas=null", "optim.eps=null")
     ddp = estimate_gpu(cfg, world_size=16, mesh="ddp")
     p = ddp.parameters
     # DDP: the gradients are views into the all-reduce buckets (gradient_as_bucket_view): one copy
     assert (ddp.weights, ddp.gradients, ddp.optimizer) == (4 * p, 4 * p, 8 * p)
+    came = estimate_gpu(cfg_of("sana-1600m-1024.yaml"), world_size=16, mesh="fsdp")
+    assert 4 * p // 16 < came.optimizer < 4.3 * p // 16  # the preset's CAME: about half of AdamW's
     assert estimate_gpu(cfg, world_size=1, mesh="ddp").gradients == 4 * p
     fsdp = estimate_gpu(cfg, world_size=16, mesh="fsdp")
     hsdp = estimate_gpu(cfg, world_size=16, mesh="hsdp", shard_group_size=8)
@@ -167,7 +207,7 @@ def test_gpu_config_that_cannot_fit_names_the_cheapest_knob() -> None:
     cfg = cfg_of("sana-1600m-1024.yaml", "gpu.distributed=ddp")  # already fully checkpointed
     est = estimate_gpu(cfg, world_size=16)
     with pytest.raises(UserError, match=r"set gpu.distributed: hsdp"):
-        check_gpu_fits(est, cfg, limit_gib=25, device="A100-40GB")
+        check_gpu_fits(est, cfg, limit_gib=20, device="A100-40GB")
     fsdp = estimate_gpu(cfg_of("sana-1600m-1024.yaml"), world_size=16)
     with pytest.raises(UserError, match=r"lower data.batch_size to [1-7] "):
         check_gpu_fits(fsdp, cfg_of("sana-1600m-1024.yaml"), limit_gib=fsdp.total / GIB - 1, device="x")

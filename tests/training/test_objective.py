@@ -24,7 +24,9 @@ def _batch() -> dict[str, torch.Tensor]:
 
 
 def _null() -> tuple[torch.Tensor, torch.Tensor]:
-    text = torch.zeros(N, D)
+    """The empty caption as precompute stores it: the full N-row encoding (<bos>, then the
+    padding positions' rows, which are not zero) and its own mask [1, 0, ...]."""
+    text = torch.randn(N, D, generator=torch.Generator().manual_seed(3))
     text[0] = 1.5
     mask = torch.zeros(N, dtype=torch.int64)
     mask[0] = 1
@@ -58,7 +60,7 @@ def test_loss_matches_hand_computation() -> None:
     assert 0 < int(drop.sum()) < B  # this seed exercises both branches
     x0 = batch["latents"] * SCALE
     text, mask = batch["text"].clone(), batch["text_mask"].clone()
-    text[drop], mask[drop] = null_text, null_mask
+    text[drop] = null_text  # Sana's token_drop: the full null encoding, the caption's own mask
     x_t = torch.stack([(1 - sigma[i]) * x0[i] + sigma[i] * noise[i] for i in range(B)])
     pred = model(x_t, text, sigma * 1000, encoder_attention_mask=mask).sample
     want = ((pred - (noise - x0)) ** 2).mean()
@@ -97,6 +99,47 @@ def test_caption_dropout_extremes(p: float) -> None:
     torch.manual_seed(9)
     b = objective(model, other)
     assert torch.equal(a, b) == (p == 1.0)
+
+
+class _Recorder(torch.nn.Module):
+    """The transformer's call, recorded: what the objective hands the model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model, self.calls = model, []
+
+    def forward(self, **kwargs):
+        self.calls.append({k: v.detach().clone() for k, v in kwargs.items() if torch.is_tensor(v)})
+        return self.model(**kwargs)
+
+
+def _sana_token_drop(caption: torch.Tensor, drop_ids: torch.Tensor, y_embedding: torch.Tensor) -> torch.Tensor:
+    """NVlabs Sana diffusion/model/nets/sana_blocks.py ``CaptionEmbedder.token_drop`` on our
+    [B, N, D] layout (Sana's caption is [B, 1, N, D]: ``drop_ids[:, None, None, None]``);
+    ``forward`` passes the mask on untouched."""
+    return torch.where(drop_ids[:, None, None], y_embedding, caption)
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0])
+def test_dropout_is_sanas_token_drop_full_null_encoding_and_the_captions_mask(p: float) -> None:
+    torch.manual_seed(0)
+    model = _Recorder(build_model(ModelConfig(preset="tiny")))
+    null_text, null_mask = _null()
+    objective = RectifiedFlow(ObjectiveConfig(caption_dropout=p), vae_scaling_factor=SCALE,
+                              null_text=null_text, null_mask=null_mask)
+    batch = _batch()
+    torch.manual_seed(42)
+    objective(model, batch)
+    torch.manual_seed(42)
+    _, _, drop = objective.sample(batch["latents"])
+    assert int(drop.sum()) >= 1
+    seen = model.calls[0]
+    torch.testing.assert_close(seen["encoder_hidden_states"], _sana_token_drop(batch["text"], drop, null_text),
+                               rtol=0, atol=0)
+    # the null encoding's padding rows reach the model for every real token of the caption
+    assert not torch.equal(seen["encoder_hidden_states"][drop][:, 1:], torch.zeros_like(null_text[1:]).expand(
+        int(drop.sum()), -1, -1))
+    assert torch.equal(seen["encoder_attention_mask"], batch["text_mask"])  # the caption's own mask, dropped or not
 
 
 def test_overfits_one_batch() -> None:

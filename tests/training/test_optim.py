@@ -14,7 +14,6 @@ from training.backends.gpu import GpuBackend, GpuConfig
 from training.backends.state import from_named_optimizer_state, to_named_optimizer_state
 from training.came import CAME
 from training.data import write_synthetic_features
-from training.errors import UserError
 from training.model import ModelConfig, build_model
 from training.optim import DEFAULT_BETAS, DEFAULT_EPS, OptimConfig, named_groups, optimizer_factory
 
@@ -158,17 +157,6 @@ def test_groups_follow_fsdp2_dtensor_parameters() -> None:
             torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6, msg=name)
     finally:
         backend.close()
-
-
-def test_trainium_zero1_refuses_came() -> None:
-    from training.backends.neuron import NeuronBackend
-    from training.backends.neuron_config import NeuronConfig
-
-    model = build_model(ModelConfig(preset="tiny"))
-    backend = NeuronBackend(NeuronConfig(zero1=True), precision="bf16-mixed")
-    with pytest.raises(UserError, match="optim.name: came") as err:
-        backend.build_optimizer(model, optimizer_factory(OptimConfig(name="came"), model))
-    assert "\n" not in str(err.value)
 
 
 # ----- exact resume with CAME through the real loop ----------------------------------------------

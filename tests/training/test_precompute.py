@@ -17,7 +17,14 @@ from safetensors.torch import load as st_load
 from training.data import FeatureLoader
 from training.errors import UserError
 from training.precompute import main, preprocess
-from training.text_features import SANA_CHI, chi_sha256, encode_captions, encode_for_shards, resolve_chi
+from training.text_features import (
+    SANA_CHI,
+    chi_sha256,
+    encode_captions,
+    encode_for_shards,
+    null_caption,
+    resolve_chi,
+)
 from training.tiny_components import (
     TINY_RESOLUTION,
     build_tiny_components,
@@ -44,9 +51,12 @@ def loaded(models):
 
 
 def args(models, inp, out, *extra) -> list[str]:
+    """The CLI for the tiny models; square crops unless ``extra`` picks --buckets (the default
+    is Sana's multi-scale buckets: test_default_is_sanas_multi_scale_buckets)."""
+    square = () if "--buckets" in extra else ("--buckets", "square")
     return ["--input", str(inp), "--out", str(out), "--vae", str(models["vae"]), "--text-encoder",
             str(models["text_encoder"]), "--tokenizer", str(models["tokenizer"]), "--resolution",
-            str(TINY_RESOLUTION), "--max-text-tokens", str(N), "--batch-size", "3", *extra]
+            str(TINY_RESOLUTION), "--max-text-tokens", str(N), "--batch-size", "3", *square, *extra]
 
 
 @pytest.mark.parametrize("chi", ["none", "sana", "diffusers"])
@@ -68,15 +78,40 @@ def test_embeddings_match_sana_pipeline(loaded, chi):
                                                      device=torch.device("cpu"), max_sequence_length=N,
                                                      complex_human_instruction=chi_list)
     ours, our_mask = encode_captions(prompts, tokenizer, text_encoder, max_tokens=N,
-                                     complex_human_instruction=chi_list)
+                                     complex_human_instruction=chi_list, caption_text="diffusers")
     assert torch.equal(our_mask.cpu(), mask.cpu())
     assert torch.equal(ours[mask.bool()], embeds[mask.bool()])
-    rows = encode_for_shards(prompts, tokenizer, text_encoder, max_tokens=N, complex_human_instruction=chi_list)
+    rows = encode_for_shards(prompts, tokenizer, text_encoder, max_tokens=N, complex_human_instruction=chi_list,
+                             caption_text="diffusers")
     assert [r.shape[0] for r in rows] == mask.sum(1).tolist()
     assert mask[1].sum() == N if chi_list else True  # the long caption fills all N
     null = encode_for_shards([""], tokenizer, text_encoder, max_tokens=N)[0]
     assert null.shape == (1, 8) and torch.equal(null, neg[0, :1])
     assert neg_mask[0].tolist() == [1] + [0] * (N - 1)
+    # the stored null caption is the whole encoding (Sana's null_embed), the pipeline's negative
+    full, full_mask = null_caption(tokenizer, text_encoder, max_tokens=N)
+    assert full.shape == (N, 8) and torch.equal(full, neg[0]) and torch.equal(full_mask, neg_mask[0])
+
+
+def test_sana_caption_text_is_the_raw_caption_after_the_chi(loaded):
+    """--caption-text sana: NVlabs Sana train_scripts/train.py (gemma branch), step for step:
+    ``prompt = [chi_prompt + i for i in batch[1]]`` (no lower-casing), max_length_all =
+    CHI tokens + N - 2, right padding, then select_index = [0] + range(-N + 1, 0)."""
+    _, text_encoder, tokenizer = loaded
+    captions = ["A Red Circle on a BLUE background", "the small square"]
+    chi_prompt = "\n".join(SANA_CHI)
+    max_length_all = len(tokenizer.encode(chi_prompt)) + N - 2
+    tokenizer.padding_side = "right"
+    tokens = tokenizer([chi_prompt + c for c in captions], padding="max_length", max_length=max_length_all,
+                       truncation=True, return_tensors="pt")
+    select = [0] + list(range(-N + 1, 0))
+    with torch.no_grad():
+        want = text_encoder(tokens.input_ids, attention_mask=tokens.attention_mask)[0][:, select]
+    ours, mask = encode_captions(captions, tokenizer, text_encoder, max_tokens=N, complex_human_instruction=SANA_CHI)
+    assert torch.equal(mask, tokens.attention_mask[:, select]) and torch.equal(ours, want)
+    lowered, _ = encode_captions(captions, tokenizer, text_encoder, max_tokens=N, complex_human_instruction=SANA_CHI,
+                                 caption_text="diffusers")
+    assert not torch.equal(lowered, ours)  # "Red" / "BLUE" are other tokens than "red" / "blue"
 
 
 def test_preprocess_resizes_and_center_crops():
@@ -104,7 +139,7 @@ def test_folder_end_to_end_and_resume(models, loaded, tmp_path: Path, capsys):
     index = main(args(models, raw, out, "--samples-per-shard", "4"))
     assert index["num_samples"] == 10 and [s["samples"] for s in index["shards"]] == [4, 4, 2]
     assert index["latent_shape"] == [4, 32, 32] and index["text_dim"] == 8 and index["max_text_tokens"] == N
-    assert index["created_by"]["skipped"] == 1
+    assert index["created_by"]["skipped"] == 2
     # Sana's CHI by default, and the record of it (tests/training/test_text_conditioning.py goes further)
     tc = index["text_conditioning"]
     assert tc["chi"] == "sana" and tc["complex_human_instruction"] == list(SANA_CHI)
@@ -114,9 +149,11 @@ def test_folder_end_to_end_and_resume(models, loaded, tmp_path: Path, capsys):
     assert len(index["validation"]["prompts"]) == 6 and (out / "validation_prompts.safetensors").exists()
     assert all(json.loads(p.read_text())["chi_sha256"] == tc["chi_sha256"] for p in out.glob("shard-*.json"))
     captured = capsys.readouterr()
-    assert "1 images under" in captured.err and "broken: unreadable or corrupt image" in captured.err
-    assert index["created_by"]["skipped_reasons"] == {"unreadable or corrupt image": 1}
+    assert f"{raw / 'orphan.png'}: no caption (orphan.txt missing); skipped" in captured.err
+    assert f"{raw / 'broken.png'}: unreadable or corrupt image" in captured.err
+    assert index["created_by"]["skipped_reasons"] == {"no caption": 1, "unreadable or corrupt image": 1}
     assert "precompute: skipped 1 images: unreadable or corrupt image" in captured.out
+    assert "precompute: skipped 1 images: no caption" in captured.out
 
     # a shard holds exactly what the models give for that sample (bf16)
     vae, text_encoder, tokenizer = loaded

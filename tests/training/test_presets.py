@@ -56,3 +56,41 @@ def test_flop_model_covers_the_preset(preset):
     # attention and FFN scale with tokens; only the text terms do not)
     lower = {"sana-600m-1024": ("sana-600m-512", 16), "sana-1600m-2048": ("sana-1600m-1024", 32)}[preset]
     assert analytic > 2.5 * flops.train_flops_per_sample(PRESETS[lower[0]], 300, (lower[1], lower[1]))
+
+
+#: NVlabs Sana configs/sana_config/*: the recipe keys every preset trains with, per Sana config
+#: (train.optimizer, lr_schedule(_args), gradient_clip, save_model_steps, scheduler.flow_shift /
+#: weighting_scheme / vis_sampler, model.class_dropout_prob / multi_scale / aspect_ratio_type)
+SANA_RECIPE = {
+    "512ms/Sana_600M_img512.yaml": dict(flow_shift=3.0, table="512"),
+    "1024ms/Sana_600M_img1024.yaml": dict(flow_shift=4.0, table="1024"),
+    "1024ms/Sana_1600M_img1024.yaml": dict(flow_shift=3.0, table="1024"),
+    "2048ms/Sana_1600M_img2048_bf16.yaml": dict(flow_shift=3.0, table="2048"),
+}
+PRESET_SOURCE = {
+    "sana-600m-512.yaml": "512ms/Sana_600M_img512.yaml", "trn-sana-600m-512.yaml": "512ms/Sana_600M_img512.yaml",
+    "sana-600m-1024.yaml": "1024ms/Sana_600M_img1024.yaml",
+    "sana-1600m-1024.yaml": "1024ms/Sana_1600M_img1024.yaml",
+    "trn-sana-1600m-1024.yaml": "1024ms/Sana_1600M_img1024.yaml",
+    "sana-1600m-2048.yaml": "2048ms/Sana_1600M_img2048_bf16.yaml",
+}
+
+
+@pytest.mark.parametrize("file", sorted(PRESET_SOURCE))
+def test_every_preset_trains_sanas_recipe_and_cites_its_config(file):
+    source = PRESET_SOURCE[file]
+    text = (REPO / "training/configs" / file).read_text()
+    assert f"configs/sana_config/{source}" in text
+    cfg = config_from_dict(load_yaml(REPO / "training/configs" / file))
+    o = cfg.optim  # CAMEWrapper, betas [0.9, 0.999, 0.9999], eps [1e-30, 1e-16], lr 1e-4, wd 0.0
+    assert (o.name, o.betas, o.eps, o.lr, o.weight_decay) == ("came", (0.9, 0.999, 0.9999), (1e-30, 1e-16), 1e-4, 0.0)
+    assert (o.warmup_steps, o.schedule, o.max_grad_norm) == (2000, "constant", 0.1)
+    recipe = SANA_RECIPE[source]
+    assert cfg.objective.flow_shift == recipe["flow_shift"] and cfg.objective.caption_dropout == 0.1
+    assert (cfg.objective.logit_mean, cfg.objective.logit_std) == (0.0, 1.0)
+    assert cfg.data.multi_scale  # multi_scale: true; the features come from precompute --buckets <table>
+    assert cfg.validation.sampler == "flow_dpm-solver"
+    assert cfg.checkpoint.every_steps == 500 and cfg.log_every == 20
+    if not file.startswith("trn-"):
+        assert not cfg.gpu.tf32  # the fp32 linear attention stays IEEE fp32, as in Sana
+        assert cfg.validation.every_steps == 500 and cfg.validation.guidance_scale == 4.5

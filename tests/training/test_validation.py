@@ -55,7 +55,7 @@ def features(models, tmp_path_factory) -> Path:
     precompute(["--input", str(base / "raw"), "--out", str(base / "features"), "--vae", str(models["vae"]),
                 "--text-encoder", str(models["text_encoder"]), "--tokenizer", str(models["tokenizer"]),
                 "--resolution", str(TINY_RESOLUTION), "--max-text-tokens", str(N), "--device", "cpu",
-                "--dtype", "fp32", "--validation-prompts", str(base / "prompts.txt")])
+                "--dtype", "fp32", "--validation-prompts", str(base / "prompts.txt"), "--buckets", "square"])
     return base / "features"
 
 
@@ -137,7 +137,7 @@ def loaded(features: Path, **cfg):
     ema = EMA(model, EmaConfig(decay=0.5))
     out = cfg.pop("out")
     metrics = MetricsLogger(out, enabled=True, tensorboard=False, total_steps=1)
-    validation = build_validation(ValidationConfig(every_steps=1, num_inference_steps=2, **cfg), backend,
+    validation = build_validation(ValidationConfig(every_steps=1, **{"num_inference_steps": 2, **cfg}), backend,
                                   loader=loader, model=model, output_dir=out, metrics=metrics, flow_shift=3.0)
     return validation, backend, model, ema
 
@@ -155,10 +155,18 @@ def test_render_leaves_every_global_rng_as_it_was(features, tmp_path):
 
 
 def test_renders_the_ema_when_kept_and_equals_sana_pipeline_prompted_with_text(models, features, tmp_path):
-    from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+    """...with Sana's flow DPM-Solver (its configs' vis_sampler) as diffusers ships Sana's
+    pipelines: scripts/convert_sana_to_diffusers.py ``--scheduler_type flow-dpm_solver``."""
+    from diffusers import (
+        AutoencoderDC,
+        DPMSolverMultistepScheduler,
+        FlowMatchEulerDiscreteScheduler,
+        SanaPipeline,
+        SanaTransformer2DModel,
+    )
     from transformers import AutoTokenizer, Gemma2Model
 
-    validation, backend, model, ema = loaded(features, out=tmp_path, columns=1)
+    validation, backend, model, ema = loaded(features, out=tmp_path, columns=1, num_inference_steps=4)
     with torch.no_grad():  # make the EMA really differ from the weights
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -177,23 +185,31 @@ def test_renders_the_ema_when_kept_and_equals_sana_pipeline_prompted_with_text(m
     pipe = SanaPipeline(tokenizer=AutoTokenizer.from_pretrained(models["tokenizer"]),
                         text_encoder=Gemma2Model.from_pretrained(models["text_encoder"]),
                         vae=AutoencoderDC.from_pretrained(models["vae"]), transformer=transformer.eval(),
-                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+                        scheduler=DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True,
+                                                              prediction_type="flow_prediction"))
     pipe.set_progress_bar_config(disable=True)
     from PIL import Image
 
     rendered = np.asarray(Image.open(path)).astype(np.float32)
     for i, prompt in enumerate(PROMPTS):
         image = pipe(prompt, negative_prompt="", latents=validation.noise[i:i + 1], height=64, width=64,
-                     num_inference_steps=2, guidance_scale=4.5, max_sequence_length=N,
+                     num_inference_steps=4, guidance_scale=4.5, max_sequence_length=N,
                      complex_human_instruction=list(SANA_CHI), use_resolution_binning=False,
                      output_type="np").images[0] * 255
         cell = rendered[i * 66:i * 66 + 64]
         assert np.abs(cell - image).mean() < 1.0 and np.abs(cell - image).max() < 8.0, i
     # ...and without the CHI the pipeline makes visibly other images: the test can tell
     other = pipe(PROMPTS[0], negative_prompt="", latents=validation.noise[:1], height=64, width=64,
-                 num_inference_steps=2, guidance_scale=4.5, max_sequence_length=N, complex_human_instruction=None,
+                 num_inference_steps=4, guidance_scale=4.5, max_sequence_length=N, complex_human_instruction=None,
                  use_resolution_binning=False, output_type="np").images[0] * 255
     assert np.abs(rendered[:64] - other).mean() > 2.0
+    # ...and the flow-matching Euler sampler makes other images from the same inputs
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    euler = pipe(PROMPTS[0], negative_prompt="", latents=validation.noise[:1], height=64, width=64,
+                 num_inference_steps=4, guidance_scale=4.5, max_sequence_length=N,
+                 complex_human_instruction=list(SANA_CHI), use_resolution_binning=False,
+                 output_type="np").images[0] * 255
+    assert np.abs(rendered[:64] - euler).mean() > 2.0
 
 
 def test_configuration_mistakes_are_one_line(features, tmp_path):

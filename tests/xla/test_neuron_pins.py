@@ -45,11 +45,12 @@ def test_every_neuron_pin_is_the_named_release_exactly() -> None:
 
 
 @pytest.mark.parametrize("edit", [
-    ("torch-neuronx==2.9.0.2.13.24727", "torch-neuronx==2.9.0.2.13.*"),  # the issue's wildcard
-    ("torch-neuronx==2.9.0.2.13.24727", "torch-neuronx==2.9.0.2.13.26312"),  # 2.29.1's build
-    ("neuronx-cc==2.24.5133.0", "neuronx-cc==2.24.8799.0"),  # 2.29.1's compiler
-    ("libneuronxla==2.2.16408.0\n", ""),  # missing
-    ("Neuron SDK release: 2.29.0", "Neuron SDK release: 2.29.1"),  # line moved, pins did not
+    ("torch-neuronx==2.9.0.2.15.32035", "torch-neuronx==2.9.0.2.15.*"),  # a wildcard
+    ("torch-neuronx==2.9.0.2.15.32035", "torch-neuronx==2.9.0.2.13.26312"),  # 2.29.1's build
+    ("neuronx-cc==2.26.6360.0", "neuronx-cc==2.27.5334.0"),  # 2.32's compiler
+    ("libneuronxla==2.2.17544.0\n", ""),  # missing
+    ("libneuronxla==2.2.17544.0", "libneuronxla==3.0.3854.0"),  # 2.31's JAX plugin line
+    ("Neuron SDK release: 2.31.1", "Neuron SDK release: 2.29.0"),  # line moved, pins did not
 ])
 def test_a_mixed_or_loose_pin_is_caught(edit: tuple[str, str]) -> None:
     old, new = edit

@@ -20,9 +20,12 @@ FP32_RTOL = 1e-4
 #: bf16: both sides round to bf16 (8 bits of mantissa, ~4e-3 relative) in different places
 #: (XLA fuses and keeps fp32 intermediates where eager rounds each op), so losses agree to
 #: a few bf16 ulps and one AdamW step (lr 1e-3) moves weights by ~1e-3: compare at 2e-2
-#: relative on the loss and 5e-3 absolute on the weights.
+#: relative on the loss and 5e-3 absolute plus one bf16 ulp (2**-7 relative) on the weights:
+#: in pure bf16 a weight of 0.36 has ulps of 2e-3, and with Sana's dropout (the full null
+#: encoding under the caption's mask) one of 384 time-embedding weights ends 3 ulps apart.
 BF16_LOSS_RTOL = 2e-2
 BF16_WEIGHT_ATOL = 5e-3
+BF16_WEIGHT_RTOL = 2.0**-7
 
 
 class _EagerPureBf16(GpuBackend):
@@ -96,4 +99,5 @@ def test_bf16_modes_match_within_stated_tolerance(features, precision):
     for name, g in gpu["model"].items():
         x = xla["model"][name]
         assert x.dtype == g.dtype == dtype, name
-        torch.testing.assert_close(x.float(), g.float(), rtol=0, atol=BF16_WEIGHT_ATOL, msg=name)
+        torch.testing.assert_close(x.float(), g.float(), rtol=BF16_WEIGHT_RTOL, atol=BF16_WEIGHT_ATOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")

@@ -81,15 +81,16 @@ def fixed_noise_objective(steps: int, *, device: torch.device, null_text: torch.
 
 
 def run_steps(backend, features: Path, *, steps: int, max_grad_norm: float = 1.0,
-              gradient_checkpointing: bool = False) -> dict[str, Any]:
+              gradient_checkpointing: bool = False, optimizer: str = "adamw") -> dict[str, Any]:
     """``steps`` optimizer steps of the shared loop's ``train_step`` on ``backend`` with the
-    fixed-noise objective; returns per-step (loss, grad norm) and the final full CPU states."""
+    fixed-noise objective (``optimizer``: "adamw" or "came"); returns per-step (loss, grad
+    norm) and the final full CPU states."""
     from training.data import FeatureLoader
     from training.loop import train_step
     from training.model import ModelConfig, build_model
     from training.optim import OptimConfig, build_scheduler, optimizer_factory
 
-    optim = OptimConfig(lr=1e-3, warmup_steps=0, max_grad_norm=max_grad_norm)
+    optim = OptimConfig(name=optimizer, lr=1e-3, warmup_steps=0, max_grad_norm=max_grad_norm)
     torch.manual_seed(0)
     # init="torch": the parity thresholds (and test_parity's null-gradient rule) were set on
     # PyTorch's default init; Sana's caption-norm scale 0.01 makes more gradients ~0 at step 0.

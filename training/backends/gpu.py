@@ -75,7 +75,9 @@ class GpuConfig:
     #: inductor cache directory (per user; on FSx so every node and restart reuses it);
     #: skipped when the FSx root ($SANA_FSX, else /fsx) does not exist; "" = torch's default
     compile_cache_dir: str = "${SANA_FSX:-/fsx}/cache/inductor/${USER}"
-    #: TF32 tensor-core matmuls for fp32 ops (Ampere+); no effect on CPU
+    #: TF32 tensor-core matmuls for fp32 ops (Ampere+); no effect on CPU. This includes the
+    #: fp32 linear attention (training/attention.py): NVlabs Sana never enables TF32, so the
+    #: presets set false and those matmuls stay IEEE fp32 as in Sana
     tf32: bool = True
     #: FSDP2: keep parameters unsharded after forward (faster backward, more memory)
     fsdp_reshard_after_forward: bool = True

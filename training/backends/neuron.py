@@ -42,8 +42,12 @@ Precision modes (``TrainConfig.precision``), and the trade-off:
 In every mode the linear self-attention's matmuls and normaliser run in fp32, as NVlabs Sana
 trains: the model's processor (training/attention.py) disables ``torch.autocast("xla")``
 around them and casts q/k/v to fp32 (tests/xla/test_numerics_xla.py), and the timestep stays
-fp32 in pure bf16 (``_cast_floats_to_bf16``). CAME (``optim.name: came``) is refused with
-ZeRO-1 (``build_optimizer``).
+fp32 in pure bf16 (``_cast_floats_to_bf16``). CAME (``optim.name: came``, NVlabs Sana's
+optimizer) runs with ZeRO-1 too: its factored statistics shard by rows, and the sums over
+rows it needs are all-reduced over the ZeRO group (training/came.py ``CAME.shard``). ZeRO-1
+reduce-scatters the gradients in fp32 (``higher_cc_precision``), whatever the weights' dtype:
+a bf16 sum over 32+ ranks loses the low bits of every gradient, where Sana's GPU training
+all-reduces fp32 gradients (its AMP keeps fp32 master weights).
 
 State dicts leave this backend as the GPU backend's do (training/backends/state.py): full,
 CPU, name-keyed, complete on rank 0 and empty on the others; a device->host copy of every
@@ -68,7 +72,12 @@ from training.backends.base import Backend, Batch
 # cannot drift apart (gpu.py imports only torch, which this environment has).
 from training.backends.gpu import PRECISIONS, _cast_floats_to_bf16
 from training.backends.neuron_config import NeuronConfig
-from training.backends.state import from_named_optimizer_state, param_names, to_named_optimizer_state
+from training.backends.state import (
+    from_named_optimizer_state,
+    param_names,
+    to_named_optimizer_state,
+    zero1_rows_of,
+)
 from training.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -159,13 +168,19 @@ def apply_neuron_env(cfg: NeuronConfig, precision: str, env: dict[str, str] | No
 
 
 def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create Adam/AdamW state now, as zeros on the device, exactly as its first step would.
+    """Create Adam/AdamW (or CAME) state now, as zeros on the device, exactly as its first
+    step would.
 
     Without this, step 0 traces a different graph (it creates the moments) from every later
     step: two neuronx-cc compiles of the full training graph instead of one (minutes each for
     600M). Filling the state up front makes step 0 run the steady graph. Other optimizers are
     left alone (they compile twice, correctly).
     """
+    from training.came import CAME
+
+    if isinstance(optimizer, CAME):
+        optimizer.init_state()
+        return
     if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam in torch >= 2.6
         return
     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -289,15 +304,6 @@ class NeuronBackend(Backend):
         if not self.cfg.zero1:
             init_adam_state(optimizer)
             return optimizer
-        from training.came import CAME
-
-        if isinstance(optimizer, CAME):
-            # ZeRO-1 hands the base optimizer dim-0 slices (zero_redundancy_optimizer.py
-            # _shard_tensor: pad, chunk(world)[rank]): CAME's column means and update RMS would
-            # be taken per slice, a different optimizer from the one configured.
-            raise UserError("optim.name: came factors each weight's second moment over its full rows and "
-                            "columns, which trainium.zero1's dim-0 shards split; use optim.name: adamw with "
-                            "zero1, or set trainium.zero1: false")
         from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
         # ZeRO-1 takes an optimizer *class*; ``make`` gives an instance. Its param_groups carry
@@ -310,15 +316,35 @@ class NeuronBackend(Backend):
         # coalesced reduce-scatter / all-gather in trainium.zero1_bucket_mb buckets instead of
         # one collective per parameter (torch_xla zero_redundancy_optimizer.py: a cap > 0
         # turns on coalesce_cc_reduce_scatter / coalesce_cc_all_gather).
+        # higher_cc_precision: the reduce-scatter runs in optimizer_dtype (fp32), not in the
+        # gradients' bf16 (zero_redundancy_optimizer.py _reduce_gradients casts the padded
+        # gradient before the collective); see the module docstring.
         bucket = self.cfg.zero1_bucket_mb
         zero = ZeroRedundancyOptimizer(
             [dict(group) for group in optimizer.param_groups], type(optimizer),
             optimizer_dtype=torch.float32, grad_clipping=True, max_norm=float("inf"),
-            pin_layout=False, save_master_weights=False,
+            pin_layout=False, save_master_weights=False, higher_cc_precision=True,
             bucket_cap_mb_all_gather=bucket, bucket_cap_mb_reduce_scatter=bucket)
-        init_adam_state(zero.base_optimizer)
         self._zero, self._zero_model = zero, self.unwrap(model)
+        from training.came import CAME
+
+        if isinstance(zero.base_optimizer, CAME):
+            self._shard_came(zero)
+        init_adam_state(zero.base_optimizer)
         return zero
+
+    def _shard_came(self, zero: Any) -> None:
+        """Tell ZeRO's base CAME which rows of which full parameter each shard holds (real-row
+        masks as graph inputs) and how to sum over the ZeRO group: one all-reduce per phase."""
+        import torch_xla.core.xla_model as xm
+
+        from training.came import flat_reduce, row_shards
+
+        groups = zero.sharding_groups
+        shards = row_shards(((param, shard) for _n, param, shard in self._zero_pairs(self._zero_model)),
+                            zero._shard_tensor, self.device)
+        zero.base_optimizer.shard(shards, flat_reduce(
+            lambda flat: xm.all_reduce(xm.REDUCE_SUM, flat, groups=groups, pin_layout=False)))
 
     # ----- the step -----------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -506,7 +532,7 @@ class NeuronBackend(Backend):
                 continue
             full_entry: dict[str, Any] = {}
             for key, value in entry.items():
-                if torch.is_tensor(value) and value.shape == shard.shape and value.dim() > 0:
+                if zero1_rows_of(key, value):
                     gathered = xm.all_gather(value, dim=0) if self.world_size > 1 else value
                     value = gathered[: param.shape[0]]
                 full_entry[key] = value
@@ -547,8 +573,10 @@ class NeuronBackend(Backend):
                 continue
             entry: dict[str, Any] = {}
             for key, value in saved.items():
-                if torch.is_tensor(value) and value.dim() > 0:
+                if zero1_rows_of(key, value):
                     value = zero._shard_tensor(value.to(torch.float32)).to(self.device)
+                elif torch.is_tensor(value) and value.dim() > 0:  # CAME's column statistics: whole
+                    value = value.to(torch.float32).to(self.device)
                 entry[key] = value
             base.state[shard] = entry
         init_adam_state(base)

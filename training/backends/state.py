@@ -305,6 +305,17 @@ def key_is_scalar(key: str, read: RowReader) -> bool:
 ZeroPair = tuple[str, torch.Tensor, torch.Tensor]
 
 
+def zero1_rows_of(key: str, value: Any) -> bool:
+    """Whether optimizer state entry ``key`` is sharded by rows like its ZeRO-1 parameter shard
+    (Adam's moments; CAME's first moment, row statistics and unfactored second moments), as
+    opposed to a scalar (``step``) or an entry every rank holds whole (CAME's column
+    statistics: training/came.py ``REPLICATED_STATE``). By name, not by shape: a column
+    statistic can be as long as a shard is tall."""
+    from training.came import REPLICATED_STATE
+
+    return torch.is_tensor(value) and value.dim() > 0 and key not in REPLICATED_STATE
+
+
 def zero1_sharded_state(pairs: list[ZeroPair], base_state: Mapping[Any, Mapping[str, Any]], model: nn.Module,
                         param_groups: list[dict[str, Any]], rank: int, world: int, *,
                         master_weights: bool) -> ShardedState:
@@ -324,7 +335,7 @@ def zero1_sharded_state(pairs: list[ZeroPair], base_state: Mapping[Any, Mapping[
             src, lo = (shard, 0) if master_weights else (param, start)
             out.pieces[f"model/{name}"] = Piece(src.detach(), lo, lo + stop - start, start, shape)
         for key, value in (base_state.get(shard) or {}).items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape == shard.shape:
+            if zero1_rows_of(key, value):
                 if stop > start:
                     out.pieces[f"optim/{name}/{key}"] = Piece(value.detach(), 0, stop - start, start, shape)
             elif torch.is_tensor(value):
@@ -370,7 +381,9 @@ def zero1_load_sharded_state(pairs: list[ZeroPair], base_state: dict[Any, dict[s
             for key in sorted(k for k in keys if k.startswith(f"optim/{name}/")):
                 sub = key.rsplit("/", 1)[1]
                 if key_is_scalar(key, read):
-                    entry[sub] = read(key, None, None)
+                    entry[sub] = read(key, None, None)  # AdamW's / CAME's step: stays on the host
+                elif not zero1_rows_of(sub, torch.empty(1)):
+                    entry[sub] = read(key, None, None).to(torch.float32).to(device)  # whole on every rank
                 else:
                     entry[sub] = zero1_rows(read, key, n, rank, world).to(torch.float32).to(device)
             for vkey, value in values.items():

@@ -5,8 +5,10 @@ Layout of a feature directory (local/FSx path or ``s3://`` prefix)::
     index.json                 shapes, dtype, per-shard sample count / bytes / sha256, and
                                text_conditioning (CHI, N, tokenizer, text encoder: see
                                training/text_features.py TextConditioning)
-    null_caption.safetensors   {"text": [n, D] bf16}: the empty caption, for CFG dropout
-                               (also the negative prompt of validation images)
+    null_caption.safetensors   {"text": [N, D] bf16, "mask": [N]}: the empty caption's full
+                               encoding, for CFG dropout (Sana's token_drop swaps it in whole)
+                               and the negative prompt of validation images; older
+                               directories hold {"text": [n, D]}, its real rows only
     validation_prompts.safetensors  {"0000": [n, D] bf16, ...}: index.json validation.prompts,
                                encoded like the captions (optional; training/validation.py)
     shard-00000.tar ...        one member per sample: ``<key>.safetensors`` holding
@@ -36,7 +38,10 @@ Random access into the tars goes through mmap and member offsets read from the t
 headers, so a shuffled read is a page-cache copy, not a tar scan.
 
 Modules: ``shards`` (writing), ``index`` (index.json), ``buckets`` (tables, order),
-``decode`` (mmap reads, buffer pool), ``loader`` (FeatureLoader), ``bench`` (CLI).
+``decode`` (mmap reads, buffer pool), ``loader`` (FeatureLoader), ``bench`` (CLI); for
+precompute: ``raw_input`` (listing the raw pairs), ``raw_samples`` (one pair -> pixels +
+caption, or a named skip), ``feature_settings`` (one feature set per directory),
+``feature_output`` (the directory being written).
 """
 
 from training.data.bench import SANA_600M_512, bench, main

@@ -3,13 +3,16 @@
 Sana trains on aspect-ratio buckets and its pipeline bins requested sizes to the same
 tables at inference, so features cropped to squares only teach the model one of them.
 
-Tables: NVlabs Sana ``diffusion/data/datasets/utils.py`` ``ASPECT_RATIO_512/1024/2048``
-(keys: the ratio h/w as a string, values: [h, w] pixels); diffusers carries the same bins as
-``ASPECT_RATIO_512_BIN`` / ``ASPECT_RATIO_1024_BIN`` (pipelines/pixart_alpha/
-pipeline_pixart_alpha.py) and ``ASPECT_RATIO_2048_BIN`` (pipeline_pixart_sigma.py), which
-``SanaPipeline`` (pipelines/sana/pipeline_sana.py) picks by ``sample_size`` and snaps the
-requested size to with ``classify_height_width_bin`` (nearest ratio). We import diffusers'
-tables at runtime rather than copy them, so training and inference share one source.
+Tables: NVlabs Sana's *training* tables, ``ASPECT_RATIO_512`` / ``ASPECT_RATIO_1024`` /
+``ASPECT_RATIO_2048`` of ``diffusion/data/datasets/utils.py`` (keys: the ratio h/w as a string,
+values: [h, w] pixels; 40 ratios from 0.25 to 4.0), which its configs name in
+``model.aspect_ratio_type`` with ``multi_scale: true`` (configs/sana_config/512ms/
+Sana_600M_img512.yaml, 1024ms/Sana_1600M_img1024.yaml). They are data, carried here (``SANA_TABLES``):
+diffusers ships only the *inference* bins ``SanaPipeline`` snaps a requested size to
+(``ASPECT_RATIO_512_BIN`` / ``1024_BIN`` in pipelines/pixart_alpha/pipeline_pixart_alpha.py:
+33 of the same 40 entries, without 0.26, 0.27, 2.89, 3.11, 3.62, 3.75, 3.88;
+``ASPECT_RATIO_2048_BIN`` in pipeline_pixart_sigma.py: all 40); every inference bin is one of
+the training buckets.
 
 Assignment (Sana ``diffusion/data/transforms.py`` ``get_closest_ratio``): the bucket whose
 ratio is nearest to the image's h/w. Resize + crop (Sana ``SanaWebDatasetMS.getdata`` in
@@ -39,19 +42,40 @@ SQUARE_MODE = "square"
 VAE_STRIDE = 32
 
 
-def aspect_ratio_table(name: str) -> dict[str, tuple[int, int]]:
-    """Sana's bucket table ``name`` (512, 1024 or 2048): ratio string -> (h, w) pixels."""
-    # NOTE: imported lazily: diffusers' pipeline modules are heavy, and only precompute needs them.
-    from diffusers.pipelines.pixart_alpha.pipeline_pixart_alpha import (
-        ASPECT_RATIO_512_BIN,
-        ASPECT_RATIO_1024_BIN,
-    )
-    from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import ASPECT_RATIO_2048_BIN
+#: NVlabs Sana diffusion/data/datasets/utils.py ``ASPECT_RATIO_512`` (S = 512**2 pixels): ratio h/w ->
+#: (h, w). ``ASPECT_RATIO_1024`` is every side x2 and ``ASPECT_RATIO_2048`` x4 there, entry for
+#: entry (tests/training/test_buckets.py checks all three against Sana's literals).
+_SANA_512: dict[str, tuple[int, int]] = {
+    "0.25": (256, 1024), "0.26": (256, 992), "0.27": (256, 960), "0.28": (256, 928),
+    "0.32": (288, 896), "0.33": (288, 864), "0.35": (288, 832), "0.4": (320, 800),
+    "0.42": (320, 768), "0.48": (352, 736), "0.5": (352, 704), "0.52": (352, 672),
+    "0.57": (384, 672), "0.6": (384, 640), "0.68": (416, 608), "0.72": (416, 576),
+    "0.78": (448, 576), "0.82": (448, 544), "0.88": (480, 544), "0.94": (480, 512),
+    "1.0": (512, 512), "1.07": (512, 480), "1.13": (544, 480), "1.21": (544, 448),
+    "1.29": (576, 448), "1.38": (576, 416), "1.46": (608, 416), "1.67": (640, 384),
+    "1.75": (672, 384), "2.0": (704, 352), "2.09": (736, 352), "2.4": (768, 320),
+    "2.5": (800, 320), "2.89": (832, 288), "3.0": (864, 288), "3.11": (896, 288),
+    "3.62": (928, 256), "3.75": (960, 256), "3.88": (992, 256), "4.0": (1024, 256),
+}
+#: Sana's training tables by base resolution
+SANA_TABLES: dict[str, dict[str, tuple[int, int]]] = {
+    name: {ratio: (h * int(name) // 512, w * int(name) // 512) for ratio, (h, w) in _SANA_512.items()}
+    for name in TABLES}
+#: Sana resizes with LANCZOS for its 2048 (and 2880) tables and BICUBIC otherwise
+#: (sana_data_multi_scale.py ``SanaWebDatasetMS.__init__`` ``interpolate_model``)
+LANCZOS_TABLES = ("2048",)
 
-    tables = {"512": ASPECT_RATIO_512_BIN, "1024": ASPECT_RATIO_1024_BIN, "2048": ASPECT_RATIO_2048_BIN}
-    if name not in tables:
+
+def aspect_ratio_table(name: str) -> dict[str, tuple[int, int]]:
+    """Sana's training table ``name`` (512, 1024 or 2048): ratio string -> (h, w) pixels."""
+    if name not in SANA_TABLES:
         raise ValueError(f"bucket table {name!r}: choose one of {', '.join(TABLES)} or {SQUARE_MODE}")
-    return {ratio: (int(h), int(w)) for ratio, (h, w) in tables[name].items()}
+    return dict(SANA_TABLES[name])
+
+
+def resample_filter(name: str) -> str:
+    """PIL resampling filter Sana resizes with for table ``name`` ("square" resizes bicubic)."""
+    return "LANCZOS" if name in LANCZOS_TABLES else "BICUBIC"
 
 
 def nearest_bucket(height: int, width: int, table: Mapping[str, tuple[int, int]]) -> str:
@@ -63,11 +87,12 @@ def nearest_bucket(height: int, width: int, table: Mapping[str, tuple[int, int]]
 
 def cover_resize(height: int, width: int, target: tuple[int, int]) -> tuple[int, int]:
     """(h, w) to resize an image to so it covers ``target`` (h, w) with its aspect kept,
-    before the centre crop (Sana's getdata: the larger of the two scale factors)."""
+    before the centre crop: Sana's getdata takes the larger of the two scale factors and
+    truncates the other side with ``int()``, which never falls below the target side."""
     th, tw = target
     if th / height > tw / width:
-        return th, max(tw, round(width * th / height))
-    return max(th, round(height * tw / width)), tw
+        return th, max(tw, int(width * th / height))
+    return max(th, int(height * tw / width)), tw
 
 
 def latent_shape(pixels: tuple[int, int], channels: int) -> tuple[int, int, int]:

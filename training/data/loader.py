@@ -52,6 +52,10 @@ class DataConfig:
     #: to pin and copy; the GPU backend casts to fp32 on the device, exactly; Trainium casts
     #: on the host before the transfer, so its step graph is unchanged)
     text_dtype: str = "fp32"
+    #: NVlabs Sana's ``model.multi_scale`` (true in every config under configs/sana_config/):
+    #: train on aspect-ratio buckets; features precomputed square (``--buckets square``) are
+    #: then refused at start in one line instead of silently training one shape
+    multi_scale: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str):
@@ -197,6 +201,7 @@ class FeatureLoader:
         if text_dtype not in TEXT_DTYPES:
             raise ValueError(f"text_dtype: {text_dtype!r} is not one of {', '.join(TEXT_DTYPES)}")
         self._decoder = _Decoder(self.index, cache_dir, verify, text_dtype=TEXT_DTYPES[text_dtype])
+        self._warned_null = False
         if self.index.is_s3:
             self._decoder.prefetch_all()
         self._reader = _Reader(self._decoder, buckets=self.buckets, members=members, batch_size=batch_size,
@@ -212,7 +217,14 @@ class FeatureLoader:
     def from_config(cls, cfg: DataConfig, *, rank: int = 0, world_size: int = 1,
                     bucket_run: int = 1) -> FeatureLoader:
         """``bucket_run``: micro-batches per optimizer step (the loop passes grad_accum_steps)."""
-        return cls(cfg.path, batch_size=cfg.batch_size, rank=rank, world_size=world_size, seed=cfg.seed,
+        source: str | FeatureIndex = cfg.path
+        if cfg.multi_scale:
+            source = FeatureIndex.load(cfg.path)
+            if not source.bucketed:
+                raise UserError(f"data.multi_scale: true (Sana's multi-scale training), but data.path {cfg.path} "
+                                "holds square crops of one shape; re-run python -m training.precompute with "
+                                "--buckets 512|1024|2048 (its default), or set data.multi_scale: false")
+        return cls(source, batch_size=cfg.batch_size, rank=rank, world_size=world_size, seed=cfg.seed,
                    cache_dir=cfg.cache_dir, prefetch=cfg.prefetch, verify=cfg.verify, pin_memory=cfg.pin_memory,
                    fixed_bucket_steps=cfg.fixed_bucket_steps, bucket_run=bucket_run, text_dtype=cfg.text_dtype)
 
@@ -295,22 +307,40 @@ class FeatureLoader:
 
     # -- CFG -----------------------------------------------------------------
     def null_caption(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Empty-caption embedding padded to ``[N, D]`` float32 and its mask ``[N]`` int64."""
+        """The empty caption ``[N, D]`` float32 and its own mask ``[N]`` int64.
+
+        Precompute stores the full encoding (every padding position's row too: what Sana's
+        dropout swaps in, training/objective.py) with its mask. An older directory stores the
+        real rows only: they are zero-padded, and a warning says dropped captions then see
+        zeros past ``<bos>`` where Sana's null encoding has the padding rows."""
         path = self.index.fetch(NULL_CAPTION, self._decoder.cache_dir)
         try:
-            text = st_load(path.read_bytes())["text"]
+            stored = st_load(path.read_bytes())
         except FileNotFoundError:
             raise UserError(f"{self.index.source}/{NULL_CAPTION}: missing; re-run the precompute merge step") from None
         except Exception as exc:
             raise _corrupt(str(path), str(exc)) from None
+        text = stored.get("text")
         n_max, dim = self.index.max_text_tokens, self.index.text_dim
+        if text is None or text.ndim != 2 or text.shape[1] != dim or not 1 <= text.shape[0] <= n_max:
+            raise _corrupt(str(path), f"text shape {None if text is None else list(text.shape)}, "
+                                      f"expected [1..{n_max}, {dim}]")
+        if "mask" in stored:
+            mask = stored["mask"].to(torch.int64)
+            if text.shape[0] != n_max or tuple(mask.shape) != (n_max,):
+                raise _corrupt(str(path), f"text {list(text.shape)} / mask {list(mask.shape)}, expected "
+                                          f"[{n_max}, {dim}] / [{n_max}]")
+            return text.float(), mask
         n = text.shape[0]
-        if text.ndim != 2 or text.shape[1] != dim or not 1 <= n <= n_max:
-            raise _corrupt(str(path), f"text shape {list(text.shape)}, expected [1..{n_max}, {dim}]")
         padded = torch.zeros(n_max, dim)
         padded[:n] = text.float()
         mask = torch.zeros(n_max, dtype=torch.int64)
         mask[:n] = 1
+        if n < n_max and not self._warned_null:
+            self._warned_null = True
+            log.warning("%s/%s holds the empty caption's %d real row(s) only (an older precompute): dropped "
+                        "captions see zeros where Sana's null encoding has the padding rows; re-run precompute "
+                        "--merge-only (same flags) to store the full encoding", self.index.source, NULL_CAPTION, n)
         return padded, mask
 
 

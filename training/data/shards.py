@@ -66,13 +66,19 @@ def write_shard(path: Path, samples: Sequence[tuple[str, bytes]],
         first = {name: i for i, name in reversed(list(enumerate(buckets)))}
         order = sorted(range(len(samples)), key=lambda i: first[buckets[i]])
         samples, buckets = [samples[i] for i in order], [buckets[i] for i in order]
-    tmp = path.with_name(f".{path.name}.part-{os.getpid()}")
-    with open(tmp, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-        for key, payload in samples:
-            info = tarfile.TarInfo(f"{key}.safetensors")
-            info.size, info.mode, info.mtime = len(payload), 0o644, 0  # mtime 0: reproducible bytes
-            tar.addfile(info, io.BytesIO(payload))
-    os.replace(tmp, path)
+    tmp = part_name(path)
+    try:
+        with open(tmp, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for key, payload in samples:
+                info = tarfile.TarInfo(f"{key}.safetensors")
+                info.size, info.mode, info.mtime = len(payload), 0o644, 0  # mtime 0: reproducible bytes
+                tar.addfile(info, io.BytesIO(payload))
+        os.replace(tmp, path)
+    except BaseException as exc:  # a full disk (ENOSPC, EFBIG) or an interrupt: no stray part file
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = str(path)  # a failed write(2) names no file: say which one
+        raise
     entry = {"name": path.name, "samples": len(samples), "bytes": path.stat().st_size, "sha256": _sha256(path)}
     if buckets is not None:
         entry["buckets"] = bucket_runs(buckets)
@@ -87,12 +93,16 @@ def bucket_order(shapes: Mapping[str, Sequence[int]]) -> list[str]:
 
 def write_index(out_dir: str | Path, *, shards: Sequence[dict[str, Any]], latent_shape: Sequence[int] | None = None,
                 text_dim: int, max_text_tokens: int, vae_scaling_factor: float,
-                null_caption: torch.Tensor | None = None, created_by: dict[str, Any] | None = None,
-                extra: dict[str, Any] | None = None,
+                null_caption: torch.Tensor | None = None, null_mask: torch.Tensor | None = None,
+                created_by: dict[str, Any] | None = None, extra: dict[str, Any] | None = None,
                 bucket_shapes: Mapping[str, Sequence[int]] | None = None) -> dict[str, Any]:
     """Write index.json (last: it is what makes the directory readable) and, if given,
-    null_caption.safetensors. ``extra``: further top-level keys (``text_conditioning``,
-    ``validation``). Returns the index dict.
+    null_caption.safetensors: ``{"text": [N, D], "mask": [N]}`` with ``null_mask`` (the
+    empty caption's full encoding, what Sana's dropout swaps in: training/objective.py), or
+    ``{"text": [n, D]}`` (its real rows only, the older format the loader still reads).
+    ``extra``: further top-level keys (``text_conditioning``, ``validation``). Every file goes
+    through a temp name and a rename, so a full disk leaves the previous file or none.
+    Returns the index dict.
 
     ``bucket_shapes`` (bucket mode): name -> latent shape of every bucket the shards' runs
     name; the index gets ``buckets`` {name: {latent_shape, samples}} for the non-empty ones,
@@ -102,7 +112,13 @@ def write_index(out_dir: str | Path, *, shards: Sequence[dict[str, Any]], latent
     if null_caption is not None:
         if null_caption.ndim != 2 or null_caption.shape[1] != text_dim:
             raise ValueError(f"null_caption: expected [n, {text_dim}], got {list(null_caption.shape)}")
-        (out / NULL_CAPTION).write_bytes(st_save({"text": null_caption.detach().to("cpu", _DTYPE).contiguous()}))
+        payload = {"text": null_caption.detach().to("cpu", _DTYPE).contiguous()}
+        if null_mask is not None:
+            if null_caption.shape[0] != max_text_tokens or tuple(null_mask.shape) != (max_text_tokens,):
+                raise ValueError(f"null_caption: with a mask, expected [{max_text_tokens}, {text_dim}] and "
+                                 f"[{max_text_tokens}], got {list(null_caption.shape)} and {list(null_mask.shape)}")
+            payload["mask"] = null_mask.detach().to("cpu", torch.int64).contiguous()
+        atomic_write_bytes(out / NULL_CAPTION, st_save(payload))
     shards = sorted(shards, key=lambda s: s["name"])
     num = sum(s["samples"] for s in shards)
     total = sum(s["bytes"] for s in shards)
@@ -129,10 +145,28 @@ def write_index(out_dir: str | Path, *, shards: Sequence[dict[str, Any]], latent
     }
     if buckets is not None:
         index["buckets"] = buckets
-    tmp = out / f".{INDEX}.part-{os.getpid()}"
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out / INDEX)
+    atomic_write_bytes(out / INDEX, json.dumps(index, indent=1).encode())
     return index
+
+
+def part_name(path: Path) -> Path:
+    """The temp name ``path`` is written through (``.NAME.part-PID``, same directory)."""
+    return path.with_name(f".{path.name}.part-{os.getpid()}")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through ``part_name(path)`` and a rename; on any error
+    (ENOSPC, EFBIG, EDQUOT...) the part file is removed and the error re-raised, so the
+    directory holds the old file or the new one, never a half-written or stray one."""
+    tmp = part_name(path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = str(path)
+        raise
 
 
 class ShardWriter:
@@ -144,7 +178,8 @@ class ShardWriter:
 
     def __init__(self, out_dir: str | Path, *, latent_shape: Sequence[int] | None = None, text_dim: int,
                  max_text_tokens: int, vae_scaling_factor: float, null_caption: torch.Tensor,
-                 samples_per_shard: int = 1000, created_by: dict[str, Any] | None = None,
+                 null_mask: torch.Tensor | None = None, samples_per_shard: int = 1000,
+                 created_by: dict[str, Any] | None = None,
                  buckets: Mapping[str, Sequence[int]] | None = None) -> None:
         if samples_per_shard < 1:
             raise ValueError(f"samples_per_shard: must be >= 1, got {samples_per_shard}")
@@ -156,7 +191,7 @@ class ShardWriter:
         self.latent_shape = tuple(int(x) for x in latent_shape) if latent_shape is not None else None
         self.text_dim, self.max_text_tokens = int(text_dim), int(max_text_tokens)
         self.vae_scaling_factor = float(vae_scaling_factor)
-        self.null_caption = null_caption
+        self.null_caption, self.null_mask = null_caption, null_mask
         self.samples_per_shard = samples_per_shard
         self.created_by = created_by or {"tool": "training.data.ShardWriter"}
         self.shards: list[dict[str, Any]] = []
@@ -197,7 +232,7 @@ class ShardWriter:
         return write_index(self.out_dir, shards=self.shards, latent_shape=self.latent_shape,
                            text_dim=self.text_dim, max_text_tokens=self.max_text_tokens,
                            vae_scaling_factor=self.vae_scaling_factor, null_caption=self.null_caption,
-                           created_by=self.created_by, bucket_shapes=self.buckets)
+                           null_mask=self.null_mask, created_by=self.created_by, bucket_shapes=self.buckets)
 
 
 def write_synthetic_features(out_dir: str | Path, *, num_samples: int, latent_shape: Sequence[int] = (4, 8, 8),
@@ -222,12 +257,17 @@ def write_synthetic_features(out_dir: str | Path, *, num_samples: int, latent_sh
     gen = torch.Generator().manual_seed(seed)
     lo, hi = text_tokens
     hi = min(hi, max_text_tokens)
-    null = torch.randn(1, text_dim, generator=gen)
+    # The empty caption's full encoding (<bos> row + N-1 padding rows, as precompute stores it);
+    # the padding rows from their own generator so the samples' stream is unchanged.
+    null = torch.cat([torch.randn(1, text_dim, generator=gen),
+                      torch.randn(max_text_tokens - 1, text_dim, generator=torch.Generator().manual_seed(seed + 1))])
+    null_mask = torch.zeros(max_text_tokens, dtype=torch.int64)
+    null_mask[0] = 1
     names = list(buckets) if buckets is not None else []
     weights = torch.tensor(bucket_weights if bucket_weights is not None else [1.0] * len(names), dtype=torch.float64)
     writer = ShardWriter(out_dir, latent_shape=None if buckets is not None else latent_shape, buckets=buckets,
                          text_dim=text_dim, max_text_tokens=max_text_tokens, vae_scaling_factor=vae_scaling_factor,
-                         null_caption=null, samples_per_shard=samples_per_shard,
+                         null_caption=null, null_mask=null_mask, samples_per_shard=samples_per_shard,
                          created_by={"tool": "training.data.write_synthetic_features", "seed": seed})
     for i in range(num_samples):
         bucket = names[int(torch.multinomial(weights, 1, generator=gen))] if names else None

@@ -17,8 +17,10 @@ were precomputed with (recorded in its ``text_conditioning.json``). If the expor
 their fingerprints (training/text_features.py ``dir_fingerprint``), a different directory is
 refused: the model would be served captions encoded otherwise than it was trained on.
 
-The scheduler is ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)``, the sampler the
-training validation renders with (training/validation.py; NVlabs Sana's "flow_euler").
+The scheduler is ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)``: NVlabs Sana's
+"flow_euler" sampler, whose fixed step count the compiled serving graphs are traced for.
+Training validation and ``python -m training.evaluation.sample`` render with Sana's default
+"flow_dpm-solver" instead (training/validation.py ``sana_scheduler``).
 """
 
 from __future__ import annotations
