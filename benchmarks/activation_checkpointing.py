@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--every-n", type=int, default=2)
     args = ap.parse_args()
-    from training.model import ModelConfig, build_model
+    from training.model.build import ModelConfig, build_model
 
     g = torch.Generator().manual_seed(0)
     x, text = torch.randn(1, 32, 16, 16, generator=g), torch.randn(1, 32, 2304, generator=g)

@@ -8,7 +8,7 @@ captions, noise and sigmas, the real RectifiedFlow loss), one forward+backward i
 reference and these variants are compared with it, interleaved batch by batch:
 
 - ``plain/before``: bf16 autocast, diffusers' processor (its matmuls autocast to bf16);
-- ``plain/after``: bf16 autocast, training/attention.py's fp32 processor;
+- ``plain/after``: bf16 autocast, training/model/attention.py's fp32 processor;
 - ``fsdp/before``: FSDP2 (gloo, one process) bf16 params with the root casting the timestep
   to bf16 (``cast_forward_inputs=True``), diffusers' processor - the code before the fix;
 - ``fsdp/after``: the GPU backend as it is now (no input casting, fp32 scale-shift tables and
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from training.backends.gpu import GpuBackend, GpuConfig  # noqa: E402
-from training.model import ModelConfig, build_model  # noqa: E402
+from training.model.build import ModelConfig, build_model  # noqa: E402
 from training.objective import ObjectiveConfig, RectifiedFlow  # noqa: E402
 
 #: (name, model overrides over the tiny preset, latent (C, H, W), text tokens)
@@ -152,7 +152,7 @@ def kernel_error() -> None:
     from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
     from diffusers.models.transformers.sana_transformer import SanaTransformerBlock
 
-    from training.attention import Fp32LinearAttnProcessor
+    from training.model.attention import Fp32LinearAttnProcessor
 
     torch.manual_seed(0)
     dim = 1152
@@ -195,7 +195,7 @@ def cost(reps: int) -> None:
     from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
     from diffusers.models.transformers.sana_transformer import SanaTransformerBlock
 
-    from training.attention import Fp32LinearAttnProcessor
+    from training.model.attention import Fp32LinearAttnProcessor
 
     torch.manual_seed(0)
     dim = 1152

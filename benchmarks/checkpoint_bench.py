@@ -86,7 +86,7 @@ def _setup(rank: int, world: int, args: argparse.Namespace, port: int):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     from training.backends.gpu import GpuBackend, GpuConfig
-    from training.ema import EMA, EmaConfig
+    from training.optim.ema import EMA, EmaConfig
 
     torch.set_num_threads(1)
     backend = GpuBackend(GpuConfig(distributed="fsdp"), precision="fp32")

@@ -1,7 +1,7 @@
 """Training-step time with per-block ``torch.compile`` (``gpu.compile: true``) vs eager.
 
 Two copies of one model (same init), the compiled one built by the GPU backend exactly as
-training builds it (training/compile.py: each transformer block's forward compiled,
+training builds it (training/model/compile.py: each transformer block's forward compiled,
 dynamic=False), then forward + backward + AdamW steps interleaved eager / compiled in one
 process. Prints the compile (first-step) time, the median step times and the ratio.
 
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=8)
     args = ap.parse_args()
     from training.backends.gpu import GpuBackend, GpuConfig
-    from training.model import ModelConfig, build_model
+    from training.model.build import ModelConfig, build_model
 
     cfg = ModelConfig(
         preset=args.preset,

@@ -13,7 +13,7 @@
 # 3. Three runs of python -m training.bench, synthetic features, each under its own timeout
 #    (a run that hangs or fails is recorded and the others still run):
 #    a) sana-600m-512 bf16-mixed, ours vs the tuned diffusers-style reference
-#       (training/reference_step.py), both eager, interleaved in one process
+#       (training/perf/reference_step.py), both eager, interleaved in one process
 #    b) the same with both compiled (ours per block, the reference per block)
 #    c) sana-1600m-1024 on one GPU as the runbook recommends it (FSDP2 + activation
 #       checkpointing full + compile), with the memory model's estimate and the measured peak
@@ -27,7 +27,7 @@
 #    else every caption at the padded 300 (trimming gains nothing: the ratio is a lower bound).
 # 4. One PASS/FAIL table (python -m training.perf.gpu_check; also OUT_DIR/summary.txt) against
 #    the targets: MFU >= 45% on 600M-512 bf16, ratio to the reference >= 1.3x (both eager and
-#    both compiled), 1.6B peak within 10% of training/memory.py, compile speed-up > 1, no
+#    both compiled), 1.6B peak within 10% of training/perf/memory.py, compile speed-up > 1, no
 #    recompiles after warm-up, no graph breaks. Exit status 1 on any FAIL.
 #
 # --dry-run: the same steps on the tiny CPU config in a couple of minutes (compile with
@@ -164,7 +164,7 @@ else
     gpu=$("$PY" -c "import torch; assert torch.cuda.is_available(); p = torch.cuda.get_device_properties(0); \
 print(f'{p.name}|{p.total_memory >> 30}')" 2>/dev/null) \
         || fail gpu "torch (CUDA build $("$PY" -c 'import torch; print(torch.version.cuda)' 2>/dev/null || echo '?')) sees no CUDA device; check nvidia-smi and the driver, or use --dry-run"
-    pass gpu "${gpu%%|*} (${gpu##*|} GiB; peak by exact name: training/flops.py)"
+    pass gpu "${gpu%%|*} (${gpu##*|} GiB; peak by exact name: training/perf/flops.py)"
     # --compare-reference holds two 600M models: batch 32 fits a 141 GB H200, 16 an 80 GB H100
     BATCH_600=(--set data.batch_size=32)
     if [[ ${gpu##*|} -lt 100 ]]; then BATCH_600=(--set data.batch_size=16); fi

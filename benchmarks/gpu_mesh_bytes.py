@@ -78,7 +78,7 @@ def _worker(rank: int, mode: str, layers: int, steps: int, port: int, out: str) 
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the root's view output
     from training.backends.gpu import GpuBackend, GpuConfig
-    from training.model import ModelConfig, build_model
+    from training.model.build import ModelConfig, build_model
 
     backend = GpuBackend(GpuConfig(distributed=mode), precision="bf16-mixed")
     backend.init()

@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.lora import LoraConfig, apply_lora  # noqa: E402
-from training.model import ModelConfig, build_model  # noqa: E402
-from training.optim import OptimConfig, optimizer_factory  # noqa: E402
+from training.model.build import ModelConfig, build_model  # noqa: E402
+from training.model.lora import LoraConfig, apply_lora  # noqa: E402
+from training.optim.factory import OptimConfig, optimizer_factory  # noqa: E402
 
 LATENT, TEXT_TOKENS, BATCH = (32, 16, 16), 64, 2
 

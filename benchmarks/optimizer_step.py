@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    from training.model import ModelConfig, build_model
+    from training.model.build import ModelConfig, build_model
 
     torch.manual_seed(0)
     base = build_model(

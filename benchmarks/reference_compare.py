@@ -1,4 +1,4 @@
-"""Ours vs the tuned diffusers-style reference (training/reference_step.py), both eager and
+"""Ours vs the tuned diffusers-style reference (training/perf/reference_step.py), both eager and
 both compiled, on the same batches (identical caption lengths), interleaved repetitions.
 
 Each mode is one ``python -m training.bench --compare-reference`` run (the production step
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.bench import main as bench_main  # noqa: E402
+from training.perf.bench import main as bench_main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

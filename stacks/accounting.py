@@ -31,7 +31,7 @@ from aws_cdk import aws_rds as rds
 from aws_cdk import aws_secretsmanager as secretsmanager
 from constructs import Construct
 
-from stacks.accounting_user import SlurmdbdUser
+from stacks.accounting_user import SLURMDBD_USER, SlurmdbdUser
 from stacks.common import acknowledge, log_group
 
 # Aurora MySQL 3 (MySQL 8.0-compatible), a Slurm-supported MySQL server
@@ -39,7 +39,6 @@ from stacks.common import acknowledge, log_group
 ENGINE_VERSION = rds.AuroraMysqlEngineVersion.VER_3_10_0
 MYSQL_PORT = 3306
 ADMIN_USER = "admin"
-SLURMDBD_USER = "slurm"
 # The audit plugin's events: logins and schema/permission changes, not every statement slurmdbd
 # makes (the job records themselves are in the accounting tables).
 AUDIT_EVENTS = "CONNECT,QUERY_DCL,QUERY_DDL"

@@ -55,12 +55,14 @@ def handler(event, context):
 """
 
 
+#: slurmdbd's own database user (least privilege on its schema only; the admin login stays with RDS)
+SLURMDBD_USER = "slurm"
+
+
 class SlurmdbdUser(Construct):
     def __init__(self, scope: Construct, id: str, *, cluster: rds.DatabaseCluster,
                  user_secret: secretsmanager.ISecret, schema: str, key: kms.IKey, retention_days: int) -> None:
         super().__init__(scope, id)
-        from stacks.accounting import SLURMDBD_USER  # noqa: PLC0415 - accounting imports this module
-
         admin_secret = cluster.secret
         assert admin_secret is not None
         # Named under /aws/lambda/<stack name>-*, the pattern the key policy admits CloudWatch Logs for.

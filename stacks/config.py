@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from stacks.errors import ConfigError
+
 # Instance types HyperPod offers per role (SageMaker "ml." names). Sources: the HyperPod
 # supported-instances list (docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-hyperpod-prerequisites.html)
 # and cfn-lint's AWS::SageMaker::Cluster instance-type data (cfnlint/data/schemas/extensions/
@@ -151,14 +153,6 @@ def parse_users(raw: Any) -> tuple[PosixAccount, ...]:
         seen_names.add(user.name)
         seen_ids.add(user.id)
     return users
-
-
-class ConfigError(ValueError):
-    """A bad context value. ``str(err)`` is one line: key, value, what is allowed."""
-
-    def __init__(self, key: str, value: Any, allowed: str) -> None:
-        self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"invalid context value {key}={value!r}: {allowed}")
 
 
 def az_id_prefix(region: str) -> str | None:
@@ -337,7 +331,7 @@ class PlatformConfig:
                 if not IAM_PRINCIPAL_ARN_RE.match(arn):
                     raise ConfigError(key, arn, "allowed: IAM role or user ARNs, e.g. "
                                                 "arn:aws:iam::123456789012:role/platform-admin")
-        from stacks.serving_config import check_serving  # (imports ConfigError from here)
+        from stacks.serving_config import check_serving
 
         check_serving(self)
         if self.privateNetwork and self.serving:

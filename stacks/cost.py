@@ -6,7 +6,7 @@ keeps billing after each teardown step (runbooks/cost.md, runbooks/teardown.md).
 
 The configuration is cdk.json's context (plus ``-c`` overrides, as the CDK CLI takes them). The
 prices are training/prices.yaml: the accelerator instances from its ``prices``
-(training/decision/prices.py, the table the training report uses), the endpoint from ``serving``,
+(training/report/prices.py, the table the training report uses), the endpoint from ``serving``,
 the rest (head nodes included) from its ``platform`` section (validated here).
 Every figure there is a list price written down, not re-read (each entry says so): the tables
 show the arithmetic, so new prices can be entered and the tables regenerated.
@@ -30,8 +30,8 @@ from typing import Any
 import yaml
 
 from stacks.config import ConfigError, PlatformConfig, check_known_keys
-from training.decision.prices import DEFAULT_PRICES, PriceTable, _entry
 from training.errors import UserError
+from training.report.prices import DEFAULT_PRICES, PriceTable, _entry
 
 HOURS_PER_MONTH = 730
 UNITS = ("hour", "month", "GB-month", "GB", "100k-events")

@@ -141,7 +141,7 @@ GATEWAY_USES = ("s3", "s3api")
 
 #: Clients found in the node code that run somewhere else or fail in one line by design, with why.
 OFF_CLUSTER_USES: Mapping[str, str] = {
-    "pricing": ("training/decision/aws_prices.py (`--prices aws`): the Price List API is served from "
+    "pricing": ("training/report/aws_prices.py (`--prices aws`): the Price List API is served from "
                 "us-east-1, eu-central-1 and ap-south-1 only, so no endpoint in the cluster's region reaches "
                 "it; run the decision report where the internet is reachable (it fails in one line on a "
                 "private cluster, and `--prices-cache` reuses the last fetch)"),

@@ -28,7 +28,7 @@ LOCAL_NVME_GB: dict[str, int] = {"ml.g6.xlarge": 250, "ml.g6.2xlarge": 450}
 #: pytorch-inference-neuronx/2.9-neuronx-sdk2.29.0.yml, pytorch-inference/2.6-gpu-sagemaker.yml;
 #: at 8a167b51: pytorch-inference-neuronx/2.9-neuronx-sdk2.31.1.yml; rendered on
 #: github.com/aws/deep-learning-containers/blob/master/available_images.md). The
-#: Neuron image is the SDK release the Trainium env pins (training/neuron_release.py 2.31.1), so
+#: Neuron image is the SDK release the Trainium env pins (training/backends/neuron_release.py 2.31.1), so
 #: graphs compiled there load in this runtime (tests/stacks/test_serving.py checks the two agree).
 #: The GPU one is the newest PyTorch *inference* image for SageMaker there (the 2.13 "pytorch"
 #: images are training-only: no inference toolkit); its support window ended 2026-06-30 in that
@@ -93,7 +93,7 @@ def model_data_location(url: str) -> tuple[str, str]:
 
 def check_serving(cfg: PlatformConfig) -> None:
     """The serving keys, each refused in one line naming it (stacks/config.py ConfigError)."""
-    from stacks.config import ConfigError
+    from stacks.errors import ConfigError
 
     if cfg.servingInstanceType not in SERVING_INSTANCE_TYPES:
         raise ConfigError("servingInstanceType", cfg.servingInstanceType,

@@ -23,15 +23,15 @@ from training.backends.gpu import PRECISIONS, GpuConfig
 from training.backends.neuron_config import NeuronConfig
 from training.checkpoint import CheckpointConfig
 from training.data import DataConfig
-from training.ema import EmaConfig
+from training.data.text_trim import TextTrimConfig
 from training.errors import UserError
-from training.lora import LoraConfig
-from training.model import ModelConfig
+from training.evaluation.validation import ValidationConfig
+from training.model.build import ModelConfig
+from training.model.lora import LoraConfig
 from training.objective import ObjectiveConfig
 from training.observability.config import PrometheusConfig, TrackingConfig
-from training.optim import OptimConfig
-from training.text_trim import TextTrimConfig
-from training.validation import ValidationConfig
+from training.optim.ema import EmaConfig
+from training.optim.factory import OptimConfig
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -39,7 +39,7 @@ class TrainConfig:
     """A whole training run. Sections are passed to their component, never the whole."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    #: LoRA adapters on the (pretrained) transformer; rank 0 = full fine-tuning (training/lora.py)
+    #: LoRA adapters on the (pretrained) transformer; rank 0 = full fine-tuning (training/model/lora.py)
     lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     objective: ObjectiveConfig = dataclasses.field(default_factory=ObjectiveConfig)

@@ -58,7 +58,7 @@ RAW_ASPECTS = (("square", 1.0, 0.5), ("tall", 2.0, 0.25), ("wide", 0.5, 0.25))
 
 def make_raw_data(demo: Demo) -> None:
     """Image + caption pairs of three aspect ratios, in the folder layout precompute reads."""
-    from training.tiny_components import write_image_caption_folder
+    from training.model.tiny import write_image_caption_folder
 
     for seed, (name, aspect, share) in enumerate(RAW_ASPECTS):
         # width 80 (160 for wide ones, so no side is under the bucket's), height width * aspect
@@ -69,7 +69,7 @@ def make_raw_data(demo: Demo) -> None:
 
 def make_tiny_models(demo: Demo) -> None:
     """Random tiny DC-AE, Gemma-2 and tokenizer (no downloads; shapes fit the tiny preset)."""
-    from training.tiny_components import build_tiny_components
+    from training.model.tiny import build_tiny_components
 
     paths = build_tiny_components(demo.path("models"))
     demo.where.update({f"tiny {name}": path for name, path in paths.items()})
@@ -77,8 +77,8 @@ def make_tiny_models(demo: Demo) -> None:
 
 def precompute(demo: Demo) -> None:
     """Images -> DC-AE latents in aspect-ratio buckets, captions -> Gemma-2 embeddings, as shards."""
-    from training import precompute as pc
-    from training.tiny_components import TINY_RESOLUTION
+    from training.data import precompute as pc
+    from training.model.tiny import TINY_RESOLUTION
 
     models = demo.path("models")
     prompts = demo.path("validation-prompts.txt")
@@ -109,7 +109,6 @@ def _train_args(demo: Demo, max_steps: int, run: str = "run") -> list[str]:
 def train_first_part(demo: Demo) -> None:
     """Train from scratch and stop part-way, as a preempted job would."""
     from training import gpu
-
     started = time.perf_counter()
     gpu.main([*_train_args(demo, demo.resume_at), "--resume", "none"])
     demo.where["train seconds (part 1)"] = round(time.perf_counter() - started, 1)
@@ -159,8 +158,7 @@ def train_trainium(demo: Demo) -> None:
 
 def export(demo: Demo) -> None:
     """Newest checkpoint -> diffusers SanaTransformer2DModel directory."""
-    from training import export as ex
-
+    from training.checkpoint import export as ex
     ex.main([str(demo.path("run") / "checkpoints"), "--out", str(demo.path("export") / "transformer"),
              "--overwrite"])
     demo.where["diffusers transformer"] = demo.path("export") / "transformer"
@@ -172,7 +170,7 @@ def sample(demo: Demo) -> None:
     import torch
 
     from training.evaluation.sample import load_pipeline
-    from training.tiny_components import TINY_RESOLUTION
+    from training.model.tiny import TINY_RESOLUTION
 
     pipe, conditioning = load_pipeline(demo.path("export") / "transformer", demo.path("models") / "vae")
     image = pipe("a small red circle on a blue background", height=TINY_RESOLUTION, width=TINY_RESOLUTION,
@@ -186,8 +184,8 @@ def sample(demo: Demo) -> None:
 
 def compare(demo: Demo) -> None:
     """Bench both backends on this CPU and write the GPU-vs-Trainium report (CPU figures)."""
-    from training.bench import run_demo_comparison
-    from training.decision.prices import DEFAULT_PRICES
+    from training.perf.bench import run_demo_comparison
+    from training.report.prices import DEFAULT_PRICES
 
     # Prices: the shipped, dated table (training/prices.yaml), each figure labelled with its
     # source. The demo never calls AWS (it runs on machines without an account, where even the
@@ -197,7 +195,7 @@ def compare(demo: Demo) -> None:
               if (demo.path("run-trn") / "metrics.jsonl").exists() else [])
     demo.where.update(run_demo_comparison(demo.path("compare"), features=demo.path("features"),
                                           report_args=["--prices", str(DEFAULT_PRICES), *parity]))
-    # The report always has the projection (training/projection.py): cost per million samples
+    # The report always has the projection (training/report/projection.py): cost per million samples
     # against MFU for the real presets on p5/trn1 list prices, with the break-even marked.
     report_dir = demo.path("compare") / "report"
     demo.where["projection + break-even chart (assumptions)"] = report_dir / "projection.png"

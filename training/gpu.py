@@ -20,7 +20,7 @@ def check_memory(cfg) -> None:
 
     if cfg.gpu.memory_check == "off" or (cfg.gpu.memory_check == "auto" and not torch.cuda.is_available()):
         return
-    from training.memory import check_gpu_config
+    from training.perf.memory import check_gpu_config
 
     out = sys.stdout if os.environ.get("RANK", "0") == "0" else None
     check_gpu_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), out=out)
@@ -30,7 +30,7 @@ def check_memory(cfg) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     from training.backends.gpu import GpuBackend
     from training.config import load_config
-    from training.entry import run
+    from training.loop import run
 
     cfg = load_config(argv, prog="python -m training.gpu")
     check_memory(cfg)

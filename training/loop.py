@@ -1,7 +1,9 @@
-"""The one training loop, shared by every backend (STYLE.md rule 2: three layers).
+"""The one training loop, shared by every backend, in four layers (CONTRIBUTING.md, "One loop").
 
-``train`` owns the run (build, resume, step, log, save), ``train_step`` one optimizer step
-(micro-batches, clip, update, schedule), ``forward_backward`` one micro-batch. Everything
+``run`` is what every entrypoint does around it (init the backend, the failure semantics of
+training/failure/, the summary line, close), ``train`` owns the run (build, resume, step, log,
+save), ``train_step`` one optimizer step (micro-batches, clip, update, schedule),
+``forward_backward`` one micro-batch. Everything
 accelerator-specific is a ``Backend`` call; nothing here reads a device value except through
 ``backend.on_host`` every ``log_every`` steps, so an XLA step stays one graph.
 """
@@ -11,33 +13,38 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
+import os
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from training import flops, lora
 from training.backends.base import Backend, Batch
 from training.checkpoint import Checkpointer, TrainState
 from training.config import TrainConfig
 from training.data import FeatureIndex, FeatureLoader
-from training.ema import EMA
+from training.data.input_pipeline import LoaderPosition
+from training.data.text_features import warn_if_unexpected
+from training.data.text_trim import BatchTokens, StepTokens, TokenMeter, count_step, trimmed
 from training.errors import UserError
-from training.input_pipeline import LoaderPosition
+from training.evaluation.validation import build_validation
+from training.failure import FailureBoard, PeerWatch, finish, leave, peer_failed
+from training.failure.preemption import StopRequest
 from training.metrics import MetricsLogger
-from training.model import ModelConfig, build_model
+from training.model import lora
+from training.model.build import ModelConfig, build_model
 from training.objective import RectifiedFlow
 from training.observability import build_sinks
-from training.optim import OptimConfig, build_scheduler, optimizer_factory
-from training.preemption import StopRequest
+from training.optim.ema import EMA
+from training.optim.factory import OptimConfig, build_scheduler, optimizer_factory
+from training.perf import flops
 from training.provenance import run_provenance
-from training.text_features import warn_if_unexpected
-from training.text_trim import BatchTokens, StepTokens, TokenMeter, count_step, trimmed
-from training.validation import build_validation
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +60,7 @@ class TrainResult:
     checkpoint: Path | None  # last checkpoint written (or resumed from), if any
     stopped_by: int | None = None  # the signal that stopped the run early (SIGTERM, SIGUSR1), if any
     model: nn.Module | None = None  # the prepared model, for callers that go on using it (tests)
-    #: per optimizer step, this rank's caption/image tokens and FLOPs (training/text_trim.py)
+    #: per optimizer step, this rank's caption/image tokens and FLOPs (training/data/text_trim.py)
     step_tokens: list[StepTokens] = dataclasses.field(default_factory=list)
 
 
@@ -125,14 +132,14 @@ def _throughput_fn(cfg: TrainConfig, backend: Backend, model: nn.Module):
     """(per-step token counter, window -> {mfu, mfu_padded, tokens per sample}).
 
     FLOPs come from the batches each step actually ran (their latent size and caption
-    length, training/text_trim.py ``TokenMeter``), rank 0's batches standing for all ranks
+    length, training/data/text_trim.py ``TokenMeter``), rank 0's batches standing for all ranks
     as its loss does: ``mfu`` counts real caption tokens only (mask sums), ``mfu_padded``
     the caption length computed (trimmed or padded), the figure before issue 17."""
     kwargs = dict(model.config)
     accel = backend.describe().get("accelerator")
 
     def per_sample(hw: tuple[int, int], computed: int, real: float | None) -> float:
-        if cfg.lora.enabled:  # frozen base: no weight gradients, fewer input gradients (training/lora.py)
+        if cfg.lora.enabled:  # frozen base: no weight gradients, fewer input gradients (training/model/lora.py)
             return lora.train_flops_per_sample(kwargs, computed, hw, cfg=cfg.lora, real_text_tokens=real)
         return flops.train_flops_per_sample(kwargs, computed, hw, real_text_tokens=real)
 
@@ -208,11 +215,11 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
                            "checkpoint_stall_s": checkpoint_stall,
                            "peak_mem_gib": None if peak is None else peak / 2**30})
 
-    # Caption padding cut per batch on the host, before the device copy (training/text_trim.py).
+    # Caption padding cut per batch on the host, before the device copy (training/data/text_trim.py).
     meter = TokenMeter()
     trim = cfg.text_trim.lengths if backend.trims_text and cfg.text_trim.enabled else None
     # The backend may read ahead (a side-stream copy on CUDA): checkpoints save the position
-    # after the last batch a step used, not the loader's own (training/input_pipeline.py).
+    # after the last batch a step used, not the loader's own (training/data/input_pipeline.py).
     position = LoaderPosition(loader)
     batches = position.delivered(backend.device_batches(
         trimmed(position.pulled(loader), lengths=trim, floor=int(null_mask.sum()), meter=meter)))
@@ -247,7 +254,7 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
                                                       checkpoint_wait),
                                     loss, grad_norm)
                     window_start, window_steps, checkpoint_wait = now, 0, 0.0
-                # Every step: any rank's stop signal, agreed one step later (training/preemption.py).
+                # Every step: any rank's stop signal, agreed one step later (training/failure/preemption.py).
                 stopped_by = stop.poll()
                 save_started = time.perf_counter()
                 saved = ckpt.maybe_save(step=state.step, model=model, optimizer=optimizer, scheduler=scheduler,
@@ -275,3 +282,55 @@ def train(cfg: TrainConfig, backend: Backend) -> TrainResult:
     return TrainResult(steps=len(step_times), final_loss=final_loss[0] if final_loss else None,
                        step_times=step_times, samples_per_step=global_batch, checkpoint=last_ckpt,
                        model=model, stopped_by=stopped_by, step_tokens=step_tokens)
+
+
+def run(cfg: TrainConfig, backend: Backend, summary: Callable[[], dict[str, Any]] | None = None, *,
+        reset_logging: bool = False) -> None:
+    """Init the backend, train, print a one-line JSON summary on rank 0, close.
+
+    In a distributed run (torchrun's WORLD_SIZE > 1) a failure on any rank ends every rank
+    within seconds, the failed one first with its traceback (training/failure/): this
+    function then never returns.
+
+    Args:
+        summary: extra fields for the summary line (e.g. Trainium's compile counts).
+        reset_logging: replace the root logger's handlers. torch-xla's init has already given
+            it a WARNING handler, which would make basicConfig a no-op and hide the
+            step/loss/checkpoint log; elsewhere existing handlers (a caller's) are kept.
+
+    Raises:
+        SystemExit: 128 + signal number when SIGTERM/SIGUSR1 stopped the run early.
+    """
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    board: FailureBoard | None = None
+    watch: PeerWatch | None = None
+    try:
+        backend.init()
+        logging.basicConfig(level=logging.INFO if backend.is_main else logging.WARNING,
+                            format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr,
+                            force=reset_logging)
+        if distributed:
+            board = FailureBoard.open(cfg.output_dir, rank=backend.rank, broadcast=backend.broadcast_object)
+            watch = PeerWatch(board, lambda failure: peer_failed(failure, rank=backend.rank))
+        result = train(cfg, backend)
+    except BaseException as exc:
+        if not distributed:
+            backend.close()
+            raise
+        # No collective, no teardown that could wait on a peer: report, mark, exit.
+        leave(exc, rank=int(os.environ.get("RANK", backend.rank)), board=board)
+    if watch is not None:
+        watch.stop()
+    try:
+        if backend.is_main:
+            print(json.dumps({"steps": result.steps, "final_loss": result.final_loss,
+                              "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+                              "output_dir": cfg.output_dir, **(summary() if summary else {})}), flush=True)
+    finally:
+        backend.close()
+    code = 0 if result.stopped_by is None else 128 + result.stopped_by  # Slurm asked us to stop: say so
+    if distributed:
+        del result  # (the model: its process-group references go with it where torch lets them)
+        finish(code)  # no interpreter finalisation beside gloo's threads (training/failure/leave.py)
+    if code:
+        raise SystemExit(code)

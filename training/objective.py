@@ -123,7 +123,7 @@ class RectifiedFlow:
 
     def null_caption(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The null encoding and its mask cut to a trimmed batch's caption ``length``
-        (training/text_trim.py: the batch's captions all end by then, so under their masks
+        (training/data/text_trim.py: the batch's captions all end by then, so under their masks
         the cut rows are never attended). At the padded length nothing is sliced, so the XLA
         graph is unchanged."""
         if length == self.null_text.shape[0]:

@@ -18,7 +18,7 @@ cannot write zero-filled checkpoints. Nothing in this module
 imports torch-xla, so ``--help`` works in any environment.
 
 Before the backend creates a device (and long before the first neuronx-cc compile), the
-per-NeuronCore HBM estimate (training/memory.py) is printed on rank 0 and a config that
+per-NeuronCore HBM estimate (training/perf/memory.py) is printed on rank 0 and a config that
 cannot fit fails on every rank with one line naming the knob to turn.
 """
 
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if precompile or cfg.trainium.precompile or extracting_graphs():
         apply_precompile(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
-    from training.memory import check_trainium_config
+    from training.perf.memory import check_trainium_config
 
     # torchrun's WORLD_SIZE is what ZeRO-1 shards over; the same on every rank, so every rank
     # reaches the same verdict (no collective needed to agree on it).
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                           out=sys.stdout if os.environ.get("RANK", "0") == "0" else None)
 
     from training.backends.neuron import NeuronBackend
-    from training.entry import run
+    from training.loop import run
 
     backend = NeuronBackend(cfg.trainium, precision=cfg.precision)
     run(cfg, backend, summary=lambda: {"precompile": cfg.trainium.precompile, **backend.compile_stats()},

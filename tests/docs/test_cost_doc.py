@@ -14,8 +14,8 @@ import yaml
 
 from stacks import cost
 from stacks.config import PlatformConfig
-from training.decision.prices import DEFAULT_PRICES, PriceTable
 from training.errors import UserError
+from training.report.prices import DEFAULT_PRICES, PriceTable
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "runbooks" / "cost.md"

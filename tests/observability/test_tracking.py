@@ -17,10 +17,10 @@ from tests.observability.servers import MlflowServer
 from tests.training.cpu_run import train_on_cpu
 from training.config import config_from_dict, load_yaml
 from training.data import write_synthetic_features
+from training.data.precompute import main as precompute
+from training.model.tiny import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
 from training.observability import RunIdentity, TrackingConfig
 from training.observability.tracking import MlflowTracker
-from training.precompute import main as precompute
-from training.tiny_components import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
 
 pytestmark = pytest.mark.slow
 MID_RUN_STEPS = 300

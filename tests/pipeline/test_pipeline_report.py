@@ -1,5 +1,5 @@
 """The report stage from finished stages' run.json files: lineage table, data, training, model,
-and the cost section of a bench (training/report.py), which degrades to a WARN line."""
+and the cost section of a bench (training/report/build.py), which degrades to a WARN line."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from training.bench_result import BenchResult
+from training.perf.bench_result import BenchResult
 
 
 def make_result(*, backend: str, instance_type: str, accelerator: str, nodes: int, per_node: int,

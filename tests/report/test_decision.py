@@ -1,4 +1,4 @@
-"""The report's decision inputs (training/decision/): stale prices warned about above the
+"""The report's decision inputs (training/report/): stale prices warned about above the
 recommendation, price scenarios against a hand computation, per-platform MFU bands with
 their evidence, measured MFU replacing the band, and quality parity from two runs' metrics."""
 
@@ -14,9 +14,10 @@ import pytest
 from bench_fixtures import make_result
 from PIL import Image
 
-from training import flops, report
 from training.metrics import MetricsLogger
-from training.model import PRESETS
+from training.model.build import PRESETS
+from training.perf import flops
+from training.report import build as report
 
 TODAY = datetime.date.today().isoformat()
 F = 0.947e12  # make_result's train_flops_per_sample
@@ -88,7 +89,7 @@ def test_shipped_table_is_dated_within_12_months_cited_and_turns_stale_on_its_ow
     public source and a date no more than 12 months before the table's re-check date, which is
     not in the future; estimates say so; and once a year has passed since an entry's date, a
     report built from the table warns about it (today injected, nothing else changed)."""
-    from training.decision.assemble import DecisionOptions
+    from training.report.assemble import DecisionOptions
     from training.serve.cost import serving_prices
 
     table = report.PriceTable.load(report.DEFAULT_PRICES)
@@ -267,7 +268,7 @@ def test_without_parity_runs_the_recommendation_says_parity_is_unproven(tmp_path
 
 
 def test_a_resumed_runs_repeated_step_counts_once_and_a_cut_last_line_is_ignored(tmp_path):
-    from training.decision import parity
+    from training.report import parity
 
     run = write_run(tmp_path / "run", [1.0, 0.9, 0.8])
     with (run / "metrics.jsonl").open("a") as fh:  # resumed from step 50: steps 75 logged again, then cut short

@@ -23,13 +23,14 @@ import pytest
 from bench_fixtures import make_result
 from botocore.stub import Stubber
 
-from training import flops, report
-from training.decision import aws_prices
-from training.decision.prices import DEFAULT_PRICES, PriceTable
+from training.perf import flops
+from training.report import aws_prices
+from training.report import build as report
+from training.report.prices import DEFAULT_PRICES, PriceTable
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = PriceTable.load(DEFAULT_PRICES)
-#: what the report asks the API about: every known accelerator layout (training/flops.py)
+#: what the report asks the API about: every known accelerator layout (training/perf/flops.py)
 WANTED = sorted(flops.INSTANCE_TYPES)
 
 
@@ -258,7 +259,7 @@ def test_bad_prices_source_is_one_line(tmp_path, capsys, spec, needle):
 
 
 def test_live_check_command_reports_what_the_filters_find(tmp_path, capsys, monkeypatch):
-    """``python -m training.decision.aws_prices``: the check to run on a machine with credentials."""
+    """``python -m training.report.aws_prices``: the check to run on a machine with credentials."""
     c = client()
     monkeypatch.setattr(aws_prices, "make_client", lambda: c)
     with Stubber(c) as stubber:

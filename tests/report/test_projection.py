@@ -1,4 +1,4 @@
-"""The projection (training/projection.py) against hand computations and brute force, measured
+"""The projection (training/report/projection.py) against hand computations and brute force, measured
 points on its chart, budget answers, and its one-line refusals."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from bench_fixtures import make_result
 
-from training import flops, projection, report
-from training.model import PRESETS
+from training.model.build import PRESETS
+from training.perf import flops
+from training.report import build as report
+from training.report import projection
 
 #: round prices so the hand computations below are readable; p5 and trn1 only
 PRICES_YAML = """as_of: "2030-01-01"

@@ -11,8 +11,8 @@ import yaml
 from bench_fixtures import make_result  # tests/report/bench_fixtures.py (rootdir on sys.path)
 from PIL import Image
 
-from training import report
-from training.bench_result import BenchResult
+from training.perf.bench_result import BenchResult
+from training.report import build as report
 
 REPO = Path(__file__).resolve().parents[2]
 PRICES = REPO / "training" / "prices.yaml"
@@ -220,14 +220,13 @@ def test_bad_prices_file_names_the_key(tmp_path, capsys):
 
 
 def test_shipped_prices_cover_every_hyperpod_instance_type_of_their_region():
-    """The shipped table prices exactly the accelerator instance types (training/flops.py) that
+    """The shipped table prices exactly the accelerator instance types (training/perf/flops.py) that
     HyperPod sells in its region: the AWS::SageMaker::Cluster InstanceType values cfn-lint
     derives per region from the AWS Price List (cfn-lint's update_specs_from_pricing; the
     installed cfnlint/data/schemas/extensions/aws_sagemaker_cluster/instancetype_enum.json)."""
     import cfnlint
 
-    from training import flops
-
+    from training.perf import flops
     table = report.PriceTable.load(PRICES)
     enum = json.loads((Path(cfnlint.__file__).parent / "data" / "schemas" / "extensions" / "aws_sagemaker_cluster"
                        / "instancetype_enum.json").read_text())
@@ -248,7 +247,7 @@ def test_fsx_defaults_come_from_cdk_json():
 
 
 def test_durations_read_naturally():
-    from training.report import duration
+    from training.report.build import duration
 
     assert duration(12.5) == "12.50 h"
     assert duration(0.05) == "3.0 min"

@@ -51,8 +51,8 @@ def test_projection_formulas_by_hand():
     d, f, q, kv = 2304, 9216, 8 * 256, 4 * 256
     assert cost.text_encoder_flops(10) == pytest.approx(26 * 10 * (2 * (d * q + 2 * d * kv + q * d + 3 * d * f)
                                                                    + 4 * 10 * q))
-    from training import flops
-    from training.model import PRESETS
+    from training.model.build import PRESETS
+    from training.perf import flops
 
     parts = cost.image_flops(PRESETS["sana-1600m-1024"], 1024, 1024, 20, real_decoder=False)
     assert parts["transformer"] == pytest.approx(20 * 2 * flops.forward_flops_per_sample(
@@ -81,8 +81,7 @@ def test_section_states_the_equal_mfu_ratio_and_the_assumption():
 
 
 def test_report_reads_the_serving_bench(bench_json: Path, tmp_path: Path):
-    from training import report
-
+    from training.report import build as report
     prices = tmp_path / "prices.yaml"
     prices.write_text('as_of: "2026-01-01"\ncurrency: USD\nregion: local\nprices:\n  local:\n'
                       '    usd_per_hour: 2.0\n    source: test\n    checked: "2026-01-01"\n    verified: false\n')
@@ -98,7 +97,7 @@ def test_report_reads_the_serving_bench(bench_json: Path, tmp_path: Path):
 
 
 def test_endpoint_prices_live_in_their_own_section_of_the_price_table(tmp_path: Path):
-    from training.decision.prices import DEFAULT_PRICES, PriceTable
+    from training.report.prices import DEFAULT_PRICES, PriceTable
 
     shipped = cost.serving_prices([DEFAULT_PRICES])
     assert set(shipped) == {"ml.inf2.xlarge", "ml.g6.xlarge"}

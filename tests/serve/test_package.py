@@ -113,7 +113,6 @@ def test_the_archive_serves_under_the_sagemaker_inference_toolkit(archive, tmp_p
 
 def test_upload_names_the_object_by_its_hash_and_never_overwrites(archive, s3_bucket: str):
     from training import s3
-
     url = upload(archive[0], f"s3://{s3_bucket}/serving/", archive[1])
     assert url == f"s3://{s3_bucket}/serving/model-{archive[1][:12]}.tar.gz"
     assert hashlib.sha256(s3.get_bytes(url)).hexdigest() == archive[1]

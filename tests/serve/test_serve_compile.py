@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from training.data.text_features import SANA_CHI
 from training.errors import UserError
 from training.serve.compile import TOLERANCE, check_graph, main
 from training.serve.export import recorded_sha256
 from training.serve.manifest import MANIFEST_FILE, CompiledManifest
-from training.text_features import SANA_CHI
 
 
 def test_manifest_lists_every_graph_with_its_static_shapes(compiled_cpu: Path, tiny_export: Path):

@@ -88,7 +88,7 @@ def test_b_cannot_plant_the_compile_cache_as_job_loads(slurm_cluster: SlurmClust
     for tree in ("cache/inductor", "cache/neuron"):
         assert as_user(b, "touch", str(site.fsx / tree / a.name / "planted.py")).returncode != 0, tree
         assert as_user(b, "mkdir", str(site.fsx / tree / "someone-new")).returncode != 0, tree
-    # A's job names A's own cache (training/compile.py's default is <fsx>/cache/inductor/$USER).
+    # A's job names A's own cache (training/model/compile.py's default is <fsx>/cache/inductor/$USER).
     log = failed_job(slurm_cluster, site, a, "cache-ok", SANA_CONTAINER_IMAGE="/nonexistent.sqsh")
     assert "no such file" in log  # stops before any task; the cache was checked first
     # A cache directory of A's that B controls (an old layout's leftover): A's job refuses it.

@@ -3,7 +3,7 @@
 As a researcher on the login node: the unprivileged job user runs the CLI from the installed,
 root-owned, read-only package (<fsx>/platform/current) with the gpu env's Python, and every
 stage is a real job of the package's own scripts through launch.sh (tiny models from
-training/tiny_components.py, six synthetic images, the tiny CPU preset on one rank).
+training/model/tiny.py, six synthetic images, the tiny CPU preset on one rank).
 
 One story, in as few jobs as it can prove (8 run, 7 are cancelled):
 
@@ -94,7 +94,7 @@ def logs_of(site: Site, cluster: SlurmCluster) -> str:
 @pytest.fixture(scope="module")
 def inputs(site: Site) -> dict[str, Path]:
     """Raw images + captions and the tiny models, readable by the job user."""
-    from training.tiny_components import build_tiny_components, write_image_caption_folder
+    from training.model.tiny import build_tiny_components, write_image_caption_folder
 
     scratch = site.scratch("pipeline-inputs")
     write_image_caption_folder(scratch / "raw", num=6, seed=1)

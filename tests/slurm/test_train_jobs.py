@@ -294,7 +294,7 @@ def test_scancel_then_resubmit_continues_from_last_checkpoint_to_identical_weigh
     assert f"step-{resumed_from:08d}" in second_log
     second_steps = [int(s) for s in re.findall(r"\bstep (\d+) loss=", second_log)]
     # SIGTERM's save lands one or two steps after the signal, not on a logging step
-    # (training/preemption.py): the resumed run logs from the next multiple of log_every on.
+    # (training/failure/preemption.py): the resumed run logs from the next multiple of log_every on.
     assert second_steps and second_steps[0] == (resumed_from // EVERY + 1) * EVERY, second_steps
     assert second_steps[-1] == MAX_STEPS
     assert complete_checkpoints(run_dir)[-1] == MAX_STEPS
@@ -344,7 +344,7 @@ def test_a_config_error_fails_the_job_with_the_one_line_error_in_job_log(
 def test_precompute_sbatch_as_root_writes_features(slurm_cluster: SlurmCluster, site: Site,
                                                   tmp_path: Path) -> None:
     """The one root job: root (the platform team) can still run the job scripts."""
-    from training.tiny_components import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
+    from training.model.tiny import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
 
     models = build_tiny_components(tmp_path / "models")
     raw = tmp_path / "raw"

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from training.came import CAME, flat_reduce, row_shards
+from training.optim.came import CAME, flat_reduce, row_shards
 
 #: rows not divisible by 3 (padding), a 1x1 conv (factored), a 3x3 depthwise conv and a bias
 #: (full second moment), and one whose 4 rows leave rank 2 with no real row at all

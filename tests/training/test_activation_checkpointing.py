@@ -1,4 +1,4 @@
-"""Activation checkpointing modes (training/activation_checkpointing.py): every mode computes
+"""Activation checkpointing modes (training/model/activation_checkpointing.py): every mode computes
 the gradients of no checkpointing, and each recomputes what it claims to (counted)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from training.activation_checkpointing import checkpointed_blocks
 from training.errors import UserError
-from training.model import ModelConfig, build_model
+from training.model.activation_checkpointing import checkpointed_blocks
+from training.model.build import ModelConfig, build_model
 
 LAYERS = 3
 

@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from training.backends.gpu import GpuBackend, GpuConfig
 from training.backends.state import from_named_optimizer_state, to_named_optimizer_state
-from training.model import ModelConfig, build_model
+from training.model.build import ModelConfig, build_model
 
 
 def _stepped(seed: int = 0, steps: int = 2):

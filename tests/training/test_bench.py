@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training import bench, flops
-from training.bench_result import BenchResult
-from training.model import PRESETS
+from training.model.build import PRESETS
+from training.perf import bench, flops
+from training.perf.bench_result import BenchResult
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -124,7 +124,7 @@ def test_reference_step_is_the_diffusers_recipe():
     every index of the schedule."""
     import torch
 
-    from training.reference_step import ReferenceStep
+    from training.perf.reference_step import ReferenceStep
 
     torch.manual_seed(0)
     step = ReferenceStep(PRESETS["tiny"], device=torch.device("cpu"), precision="bf16-mixed", lr=1e-3,
@@ -183,7 +183,7 @@ def test_a_result_written_before_issue_17_still_loads(tmp_path):
 
 @pytest.mark.slow
 def test_compare_reference_compiles_both_sides_and_counts_graphs(tmp_path, capsys):
-    """gpu.compile=true: ours per block (training/compile.py) and the reference per block
+    """gpu.compile=true: ours per block (training/model/compile.py) and the reference per block
     (diffusers' regional compilation), aot_eager here (inductor takes minutes on this CPU).
     The JSON records dynamo's counts: graphs compiled, none in the timed window, no break."""
     import torch

@@ -1,6 +1,6 @@
 """CAME sharded by rows (ZeRO-1) is the unsharded CAME: three ranks over real collectives
 (gloo, one process each), parameters whose rows do not divide by 3 (zero padding, a rank
-with no real row), factored and unfactored second moments (training/came.py)."""
+with no real row), factored and unfactored second moments (training/optim/came.py)."""
 
 from __future__ import annotations
 

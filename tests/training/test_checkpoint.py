@@ -33,15 +33,14 @@ from training.checkpoint import (
     verify,
 )
 from training.checkpoint.consolidate import load_full
-from training.checkpoint.mirror import S3Mirror, live_checkpoints, read_head
+from training.checkpoint.mirror import S3Mirror, live_checkpoints, read_head, remote_checkpoints
 from training.data import FeatureLoader, write_synthetic_features
-from training.ema import EMA, EmaConfig
 from training.errors import UserError
 from training.loop import train_step
-from training.mirror import remote_checkpoints
-from training.model import ModelConfig, build_model
+from training.model.build import ModelConfig, build_model
 from training.objective import ObjectiveConfig, RectifiedFlow
-from training.optim import OptimConfig, build_scheduler, optimizer_factory
+from training.optim.ema import EMA, EmaConfig
+from training.optim.factory import OptimConfig, build_scheduler, optimizer_factory
 
 BATCH = 2
 

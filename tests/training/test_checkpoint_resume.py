@@ -20,8 +20,8 @@ from test_mirror import Watcher, dangling_manifests
 
 from training.checkpoint import FAULT_ENV, MANIFEST, find_latest, step_dir_name
 from training.checkpoint.consolidate import load_full
+from training.checkpoint.mirror import remote_checkpoints
 from training.data import write_synthetic_features
-from training.mirror import remote_checkpoints
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 20

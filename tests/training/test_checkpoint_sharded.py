@@ -79,10 +79,10 @@ def _zero1_rank(full: dict[str, dict[str, torch.Tensor]], params: dict[str, torc
     def shard(t: torch.Tensor) -> torch.Tensor:
         return F.pad(t, [0, 0] * (t.dim() - 1) + [0, (-t.shape[0]) % world]).chunk(world)[rank].clone()
 
-    from training.came import REPLICATED_STATE
+    from training.optim.came import REPLICATED_STATE
 
     pairs = [(name, p, shard(p)) for name, p in params.items()]
-    # CAME's column statistics are whole on every rank (training/came.py); the rest is rows
+    # CAME's column statistics are whole on every rank (training/optim/came.py); the rest is rows
     state = {s: {k: (shard(v) if v.dim() and k not in REPLICATED_STATE else v.clone()) for k, v in full[name].items()}
              for name, _, s in pairs}
     return pairs, state
@@ -263,7 +263,7 @@ def test_data_position_maps_to_a_new_world_size_without_skipping_or_repeating(tm
 def test_frozen_parameters_are_not_saved_and_restore_is_strict_on_the_trainable_set(tmp_path):
     from training.backends.gpu import GpuBackend, GpuConfig
     from training.checkpoint import CheckpointConfig, Checkpointer, TrainState
-    from training.ema import EMA, EmaConfig
+    from training.optim.ema import EMA, EmaConfig
 
     def build(frozen: str):
         torch.manual_seed(0)
@@ -443,9 +443,9 @@ def _worker(argv: list[str]) -> None:
     from training.checkpoint import CheckpointConfig, Checkpointer, TrainState
     from training.config import load_config
     from training.data import FeatureLoader
-    from training.ema import EMA
-    from training.model import build_model
-    from training.optim import build_scheduler, optimizer_factory
+    from training.model.build import build_model
+    from training.optim.ema import EMA
+    from training.optim.factory import build_scheduler, optimizer_factory
 
     _source, dest, dump = argv[:3]
     cfg = load_config(argv[3:])

@@ -1,4 +1,4 @@
-"""Per-block torch.compile (training/compile.py, ``gpu.compile: true``): names unchanged, the
+"""Per-block torch.compile (training/model/compile.py, ``gpu.compile: true``): names unchanged, the
 fp32 linear-attention region survives compilation, compiled loss and gradients equal eager
 (inductor on CPU), and the inductor cache directory resolves per user on FSx."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from training.backends.gpu import GpuBackend, GpuConfig
-from training.compile import compile_blocks, configure_cache, resolve_cache_dir
-from training.model import ModelConfig, build_model
+from training.model.build import ModelConfig, build_model
+from training.model.compile import compile_blocks, configure_cache, resolve_cache_dir
 
 REAL_COMPILE = torch.compile
 
@@ -79,7 +79,7 @@ def test_checkpointed_blocks_compile_with_their_checkpoint(
     """AC + compile: the checkpoint runs inside the compiled forward (torchtitan's order), not
     around it, and the gradients are those of eager without checkpointing. aot_eager: dynamo
     + AOTAutograd (the partitioner that applies the checkpoint policy) without inductor."""
-    import training.compile as compile_mod
+    import training.model.compile as compile_mod
 
     torch._dynamo.reset()
     _, want = _loss_and_grads(_model(), autocast=False)
@@ -156,7 +156,7 @@ def test_compiled_blocks_under_fsdp2_match_eager_and_do_not_recompile(
     forwards; after the first step no new graphs are compiled; losses equal eager's."""
     from torch._dynamo.utils import counters
 
-    import training.compile as compile_mod
+    import training.model.compile as compile_mod
 
     real = torch.compile
     monkeypatch.setattr(compile_mod.torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "aot_eager"}))
@@ -200,10 +200,10 @@ TINY_1600M = {"num_layers": 2, "num_attention_heads": 2, "attention_head_dim": 8
 def _recipe_steps(compile_: bool, monkeypatch: pytest.MonkeyPatch, steps: int = 3):
     """The shipped 1.6B config (training/configs/sana-1600m-1024.yaml: fsdp, activation
     checkpointing full, bf16-mixed) on one gloo rank at tiny widths: per step the loss, the
-    graph counts (training/compile.py ``compile_stats``) and how often compiled code ran."""
-    import training.compile as compile_mod
-    from training.compile import compile_stats
+    graph counts (training/model/compile.py ``compile_stats``) and how often compiled code ran."""
+    import training.model.compile as compile_mod
     from training.config import load_config
+    from training.model.compile import compile_stats
 
     cfg = load_config(["--config", str(Path(__file__).resolve().parents[2] / "training/configs/sana-1600m-1024.yaml"),
                        "--set", f"gpu.compile={str(compile_).lower()}", "--set", "gpu.compile_cache_dir=''"])

@@ -50,7 +50,7 @@ def test_demo_runs_every_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     md = (demo.out / "compare" / "report" / "report.md").read_text()
     assert re.search(r"Sources asked, in order: [^\n]*training/prices\.yaml\.", md), md
     assert "## Prices and where they came from" in md and "**Cost per sample:**" in md and "## Price scenarios" in md
-    from training.decision.prices import DEFAULT_PRICES, PriceTable
+    from training.report.prices import DEFAULT_PRICES, PriceTable
 
     shipped = PriceTable.load(DEFAULT_PRICES)  # the break-even of the shipped prices, by hand
     trn1, p5 = shipped.get("ml.trn1.32xlarge"), shipped.get("ml.p5.48xlarge")

@@ -9,7 +9,7 @@ from torch import nn
 
 from training.checkpoint.sharded import Stager
 from training.checkpoint.shards import ShardReader, write_shard
-from training.ema import EMA, EmaConfig
+from training.optim.ema import EMA, EmaConfig
 
 
 def _model(dtype: torch.dtype) -> nn.Module:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from tests.training.cpu_run import train_on_cpu
+from training.checkpoint.export import main as export_main
 from training.config import config_from_dict
 from training.data import write_synthetic_features
-from training.export import main as export_main
-from training.precompute import main as precompute
-from training.tiny_components import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
+from training.data.precompute import main as precompute
+from training.model.tiny import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
 
 
 @pytest.fixture(params=[0o022, 0o027], ids=["umask-022", "umask-027"])

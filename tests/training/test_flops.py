@@ -1,11 +1,11 @@
-"""The analytic FLOP model (training/flops.py) against torch's FlopCounterMode on real models."""
+"""The analytic FLOP model (training/perf/flops.py) against torch's FlopCounterMode on real models."""
 
 from __future__ import annotations
 
 import pytest
 
-from training import flops
-from training.model import PRESETS
+from training.model.build import PRESETS
+from training.perf import flops
 
 # A mid-size config: every component at non-trivial width, patch 2, a few seconds on CPU.
 MID = dict(in_channels=16, out_channels=16, num_layers=2, num_attention_heads=8, attention_head_dim=32,
@@ -90,7 +90,7 @@ def test_real_text_tokens_count_only_real_caption_tokens():
 # tiny, sana-600m-512 and sana-1600m-1024 are checked above; this covers the rest (presets added later too)
 @pytest.mark.parametrize("preset", sorted(set(PRESETS) - {"tiny", "sana-600m-512", "sana-1600m-1024"}))
 def test_every_preset_matches_the_counter_at_its_own_resolution(preset):
-    """Every preset in training/model.py (new ones included), at its sample size and 300 tokens."""
+    """Every preset in training/model/build.py (new ones included), at its sample size and 300 tokens."""
     kw = PRESETS[preset]
     size = int(kw.get("sample_size", 32))
     counted = flops.counted_train_flops_per_sample(kw, 300, (size, size), device="meta", batch=1)

@@ -1,4 +1,4 @@
-"""Sana's from-scratch init (training/init.py), checked by statistics per module family.
+"""Sana's from-scratch init (training/model/init.py), checked by statistics per module family.
 
 Reference: NVlabs/Sana diffusion/model/nets/sana.py ``Sana.initialize_weights`` (xavier on
 every Linear with zero bias, xavier on the patch conv viewed 2-D, N(0, 0.02) on the timestep
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.init import CAPTION_NORM_SCALE, EMBED_STD
-from training.model import ModelConfig, build_model
+from training.model.build import ModelConfig, build_model
+from training.model.init import CAPTION_NORM_SCALE, EMBED_STD
 
 #: a model wide enough for statistics: inner dim 128, 2 blocks
 WIDE = dict(num_layers=2, num_attention_heads=4, attention_head_dim=32, num_cross_attention_heads=4,

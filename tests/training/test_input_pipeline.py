@@ -1,4 +1,4 @@
-"""The one-step-ahead input path (training/input_pipeline.py): the loader position a checkpoint
+"""The one-step-ahead input path (training/data/input_pipeline.py): the loader position a checkpoint
 saves is "after the last batch the step used" although the loader has been read one batch
 further, so a resumed run is bit-identical to an uninterrupted one; captions travel in their
 stored dtype and reach the step as fp32 with the same values."""
@@ -16,7 +16,7 @@ from test_loop import run, tiny_config
 from training.backends.gpu import GpuBackend, GpuConfig
 from training.checkpoint import step_dir_name
 from training.data import FeatureLoader, write_synthetic_features
-from training.input_pipeline import LoaderPosition, cast_text, read_ahead
+from training.data.input_pipeline import LoaderPosition, cast_text, read_ahead
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from training.config import TrainConfig, config_from_dict
 from training.data import write_synthetic_features
 from training.errors import UserError
 from training.loop import forward_backward, train_step
-from training.model import ModelConfig, build_model
+from training.model.build import ModelConfig, build_model
 from training.objective import ObjectiveConfig, RectifiedFlow
-from training.optim import OptimConfig, build_scheduler, lr_multiplier
+from training.optim.factory import OptimConfig, build_scheduler, lr_multiplier
 
 LATENT = (4, 8, 8)
 TEXT_DIM, TOKENS = 8, 8

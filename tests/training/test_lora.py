@@ -1,4 +1,4 @@
-"""LoRA fine-tuning (training/lora.py) through the real loop, PEFT and diffusers' own LoRA API.
+"""LoRA fine-tuning (training/model/lora.py) through the real loop, PEFT and diffusers' own LoRA API.
 
 The run: the tiny preset, 4 steps with adapters of rank 2, alpha 4 (scale 2, so a loader
 that dropped alpha would compute a different model), EMA on, checkpoints at steps 2 and 4.
@@ -16,11 +16,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from tests.training.cpu_run import train_on_cpu
+from training.checkpoint.export import main as export_main
 from training.config import config_from_dict, load_yaml
 from training.data import write_synthetic_features
 from training.errors import UserError
-from training.export import main as export_main
-from training.lora import (
+from training.model.build import ModelConfig, build_model
+from training.model.lora import (
     LORA_FILE,
     MERGED_DIR,
     LoraConfig,
@@ -29,7 +30,6 @@ from training.lora import (
     merged_state_dict,
     to_diffusers_keys,
 )
-from training.model import ModelConfig, build_model
 
 REPO = Path(__file__).resolve().parents[2]
 RANK, ALPHA = 2, 4.0
@@ -77,8 +77,8 @@ def lora_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_parts(tmp_path_factory) -> dict[str, Path]:
-    """Tiny DC-AE, Gemma-2 and offline tokenizer directories (training/tiny_components.py)."""
-    from training.tiny_components import build_tiny_components
+    """Tiny DC-AE, Gemma-2 and offline tokenizer directories (training/model/tiny.py)."""
+    from training.model.tiny import build_tiny_components
 
     return build_tiny_components(tmp_path_factory.mktemp("parts"))
 
@@ -138,7 +138,7 @@ def test_lora_config_errors_name_the_key():
 
 def test_only_adapters_train_and_reach_the_optimizer(lora_run):
     from training.backends.gpu import GpuBackend, GpuConfig
-    from training.optim import OptimConfig, optimizer_factory
+    from training.optim.factory import OptimConfig, optimizer_factory
 
     base, result = lora_run
     model = result.model
@@ -263,8 +263,8 @@ def test_bf16_mixed_fsdp_lora_step(lora_run, monkeypatch):
     from-scratch base: the adapters compute in bf16 (autocast casts them
     as DDP does; FSDP gathers fp32), stay fp32 master weights and train; the frozen
     base stays the seeded init ``train`` builds."""
-    import training.lora
-    from training.lora import apply_lora as real_apply
+    import training.model.lora
+    from training.model.lora import apply_lora as real_apply
 
     base, _ = lora_run
     seen: list[torch.dtype] = []
@@ -276,7 +276,7 @@ def test_bf16_mixed_fsdp_lora_step(lora_run, monkeypatch):
                 module.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
         return model
 
-    monkeypatch.setattr(training.lora, "apply_lora", instrumented)
+    monkeypatch.setattr(training.model.lora, "apply_lora", instrumented)
     tree = lora_tree(base, "bf16", max_steps=2, precision="bf16-mixed")
     tree["gpu"] = {"distributed": "fsdp"}
     del tree["model"]["pretrained"]
@@ -301,7 +301,7 @@ def test_bf16_mixed_fsdp_lora_step(lora_run, monkeypatch):
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 def test_param_groups_drop_frozen_parameters(weight_decay):
-    from training.optim import OptimConfig, param_groups
+    from training.optim.factory import OptimConfig, param_groups
 
     model = apply_lora(seeded_base(), LoraConfig(rank=RANK))
     groups = param_groups(model.parameters(), OptimConfig(weight_decay=weight_decay), model)
@@ -326,7 +326,7 @@ MID = dict(
 
 def counted_lora_train_flops(kwargs: dict, text_tokens: int, hw: tuple[int, int], cfg: LoraConfig) -> float:
     """fwd+bwd FLOPs of a real LoRA-adapted SanaTransformer2DModel under FlopCounterMode, with
-    the two corrections training/flops.py ``counted_train_flops_per_sample`` documents (math
+    the two corrections training/perf/flops.py ``counted_train_flops_per_sample`` documents (math
     SDPA; a groups-aware convolution backward that honours output_mask)."""
     from diffusers import SanaTransformer2DModel
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -356,8 +356,8 @@ def counted_lora_train_flops(kwargs: dict, text_tokens: int, hw: tuple[int, int]
     ("kwargs", "text_tokens", "hw"), [(MID, 40, (16, 16)), ({**MID, "num_layers": 4}, 24, (32, 32))]
 )
 def test_lora_flop_model_matches_the_counter(kwargs, text_tokens, hw):
-    from training import flops
-    from training.lora import train_flops_per_sample
+    from training.model.lora import train_flops_per_sample
+    from training.perf import flops
 
     cfg = LoraConfig(rank=4)
     analytic = train_flops_per_sample(kwargs, text_tokens, hw, cfg=cfg)
@@ -369,8 +369,8 @@ def test_lora_flop_model_matches_the_counter(kwargs, text_tokens, hw):
 
 def test_loop_counts_lora_flops(lora_run):
     """The loop's MFU numerator for a LoRA run is the LoRA FLOP model, not 3x the forward."""
-    from training import flops
-    from training.lora import train_flops_per_sample
+    from training.model.lora import train_flops_per_sample
+    from training.perf import flops
 
     base, result = lora_run
     kwargs = dict(result.model.config)
@@ -385,7 +385,7 @@ def test_loop_counts_lora_flops(lora_run):
 def test_adapter_parameter_count_matches_peft(targets):
     from diffusers import SanaTransformer2DModel
 
-    from training.lora import adapter_parameter_count
+    from training.model.lora import adapter_parameter_count
 
     cfg = LoraConfig(rank=3, target_modules=targets)
     model = apply_lora(SanaTransformer2DModel(**MID), cfg)
@@ -393,7 +393,7 @@ def test_adapter_parameter_count_matches_peft(targets):
 
 
 def test_lora_merge_on_a_full_run_is_one_line(tmp_path, capsys):
-    from training.lora import run_config
+    from training.model.lora import run_config
 
     base = tmp_path
     write_synthetic_features(

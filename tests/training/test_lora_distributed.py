@@ -14,8 +14,8 @@ import torch
 
 from tests.training.test_gpu_distributed import launch
 from training.data import write_synthetic_features
-from training.lora import is_adapter_key
-from training.model import ModelConfig, build_model
+from training.model.build import ModelConfig, build_model
+from training.model.lora import is_adapter_key
 
 LORA = ("--set", "lora.rank=2", "--set", "lora.alpha=4")
 ATOL = 2e-6

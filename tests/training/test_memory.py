@@ -1,4 +1,4 @@
-"""The per-NeuronCore HBM estimate (training/memory.py): numbers, the refusal and its knob,
+"""The per-NeuronCore HBM estimate (training/perf/memory.py): numbers, the refusal and its knob,
 and where it runs (``bench --dry-run`` and the Trainium entrypoint, before any device)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from training.config import load_config
 from training.errors import UserError
-from training.memory import GIB, check_fits, estimate, measure_activations
+from training.perf.memory import GIB, check_fits, estimate, measure_activations
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "training/configs"
@@ -47,9 +47,9 @@ def test_came_state_is_counted_as_came_keeps_it(act600) -> None:
     ``optimizer_state_elements`` is what a real CAME holds after a step."""
     import torch
 
-    from training.came import CAME
-    from training.memory import optimizer_state_elements
-    from training.model import ModelConfig, build_model
+    from training.model.build import ModelConfig, build_model
+    from training.optim.came import CAME
+    from training.perf.memory import optimizer_state_elements
 
     model = build_model(ModelConfig(preset="tiny"))
     opt = CAME(model.parameters())
@@ -73,7 +73,7 @@ def test_came_state_is_counted_as_came_keeps_it(act600) -> None:
 
 
 def _shapes_of(name: str):
-    from training.memory import trainable_shapes
+    from training.perf.memory import trainable_shapes
 
     return trainable_shapes(cfg_of(name))
 
@@ -108,7 +108,7 @@ def test_1600m_without_zero1_names_zero1() -> None:
 
 
 def test_bench_dry_run_prints_the_table_and_refuses_what_cannot_fit(capsys) -> None:
-    from training.bench import main
+    from training.perf.bench import main
 
     main(["--dry-run", "--backend", "trainium", "--config", str(CONFIGS / "trn-sana-1600m-1024.yaml")])
     out = capsys.readouterr().out
@@ -136,7 +136,7 @@ def test_trainium_entrypoint_refuses_before_creating_a_device(capsys, monkeypatc
 # ----- GPU: per-GPU estimate by mesh and activation checkpointing ---------------------------
 
 def test_gpu_state_bytes_follow_the_mesh() -> None:
-    from training.memory import estimate_gpu
+    from training.perf.memory import estimate_gpu
 
     cfg = cfg_of("sana-1600m-1024.yaml", "optim.name=adamw", "optim.betas=null", "optim.eps=null")
     ddp = estimate_gpu(cfg, world_size=16, mesh="ddp")
@@ -155,7 +155,7 @@ def test_gpu_state_bytes_follow_the_mesh() -> None:
 
 
 def test_gpu_activations_order_by_checkpointing_mode() -> None:
-    from training.memory import estimate_gpu
+    from training.perf.memory import estimate_gpu
 
     cfg = cfg_of("sana-600m-512.yaml")
     act = {m: estimate_gpu(cfg, world_size=8, ac=m).activations for m in ("none", "full", "every_n", "selective")}
@@ -170,8 +170,8 @@ def test_fake_tensor_measurement_counts_what_a_real_forward_saves() -> None:
     import torch
     from diffusers import SanaTransformer2DModel
 
-    from training.attention import use_fp32_linear_attention
-    from training.memory import _fake_saved_bytes
+    from training.model.attention import use_fp32_linear_attention
+    from training.perf.memory import _fake_saved_bytes
 
     kw = dict(in_channels=4, out_channels=4, num_layers=2, num_attention_heads=2, attention_head_dim=16,
               num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32,
@@ -198,7 +198,7 @@ def test_fake_tensor_measurement_counts_what_a_real_forward_saves() -> None:
 
 
 def test_gpu_config_that_cannot_fit_names_the_cheapest_knob() -> None:
-    from training.memory import check_gpu_fits, estimate_gpu
+    from training.perf.memory import check_gpu_fits, estimate_gpu
 
     big_batch = cfg_of("sana-600m-512.yaml", "data.batch_size=64")
     est = estimate_gpu(big_batch, world_size=8)
@@ -230,7 +230,7 @@ def test_gpu_entrypoint_refuses_a_config_that_cannot_fit_before_step_0(capsys, t
 
 @pytest.mark.slow
 def test_shipped_gpu_configs_fit_an_80gb_gpu() -> None:
-    from training.memory import check_gpu_fits, estimate_gpu
+    from training.perf.memory import check_gpu_fits, estimate_gpu
 
     names = sorted(p.name for p in CONFIGS.glob("sana-*.yaml"))  # every GPU config, later ones included
     assert {"sana-600m-512.yaml", "sana-1600m-1024.yaml"} <= set(names)
@@ -241,7 +241,7 @@ def test_shipped_gpu_configs_fit_an_80gb_gpu() -> None:
 
 def test_runbook_memory_table_is_the_commands_output() -> None:
     """runbooks/train-gpu.md pastes `python -m training.bench --memory-table`: it must match."""
-    from training.bench import memory_tables
+    from training.perf.bench import memory_tables
 
     text = (REPO / "runbooks/train-gpu.md").read_text()
     start, end = "<!-- memory-table: start -->\n", "<!-- memory-table: end -->"
@@ -252,7 +252,7 @@ def test_runbook_memory_table_is_the_commands_output() -> None:
 
 
 def test_lora_keeps_optimizer_state_for_the_adapters_only() -> None:
-    from training.memory import estimate_gpu
+    from training.perf.memory import estimate_gpu
 
     full = estimate_gpu(cfg_of("sana-600m-512.yaml"), world_size=8)
     lora = estimate_gpu(cfg_of("sana-600m-512.yaml", "lora.rank=16"), world_size=8)
@@ -261,7 +261,7 @@ def test_lora_keeps_optimizer_state_for_the_adapters_only() -> None:
 
 
 def test_trainium_lora_estimate_counts_gradients_optimizer_and_ema_for_the_adapters_only() -> None:
-    from training.memory import estimate
+    from training.perf.memory import estimate
 
     full = estimate(cfg_of("trn-sana-600m-512.yaml"), world_size=32)
     lora = estimate(cfg_of("trn-sana-600m-512.yaml", "lora.rank=16"), world_size=32)

@@ -13,7 +13,7 @@ from faultproxy import FaultProxy
 
 from training import s3 as s3lib
 from training.checkpoint import FORMAT, MANIFEST, find_latest, sha256_file, step_dir_name, verify
-from training.mirror import S3Mirror, fetch_latest, remote_checkpoints
+from training.checkpoint.mirror import S3Mirror, fetch_latest, remote_checkpoints
 
 
 def make_checkpoint(root: Path, step: int, *, sizes: dict[str, int]) -> Path:

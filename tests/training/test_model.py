@@ -9,7 +9,7 @@ import torch
 
 from training import s3
 from training.errors import UserError
-from training.model import PRESETS, ModelConfig, build_model, count_parameters
+from training.model.build import PRESETS, ModelConfig, build_model, count_parameters
 
 
 @pytest.mark.parametrize(("preset", "millions"), [("sana-600m-512", 591.7), ("sana-1600m-1024", 1604.5)])

@@ -19,10 +19,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from training.attention import Fp32LinearAttnProcessor
 from training.backends.gpu import GPU_BF16_REFUSED, GpuBackend, GpuConfig
 from training.errors import UserError
-from training.model import ModelConfig, build_model
+from training.model.attention import Fp32LinearAttnProcessor
+from training.model.build import ModelConfig, build_model
 
 BATCH = dict(hidden_states=(2, 4, 8, 8), encoder_hidden_states=(2, 5, 8))
 AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)

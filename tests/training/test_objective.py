@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from training.model import ModelConfig, build_model
+from training.model.build import ModelConfig, build_model
 from training.objective import ObjectiveConfig, RectifiedFlow, shift_sigmas
 
 B, C, H, N, D = 3, 4, 8, 6, 8
@@ -163,7 +163,7 @@ def test_overfits_one_batch() -> None:
 
 
 def test_null_caption_is_cut_to_a_trimmed_batch_and_untouched_at_the_padded_length() -> None:
-    """Caption trimming (training/text_trim.py): the null caption follows the batch's length;
+    """Caption trimming (training/data/text_trim.py): the null caption follows the batch's length;
     at the padded length the very same tensors are used (no slice: the XLA graph is unchanged)."""
     null_text, null_mask = _null()
     objective = RectifiedFlow(ObjectiveConfig(), vae_scaling_factor=SCALE, null_text=null_text, null_mask=null_mask)

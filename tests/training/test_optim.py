@@ -1,4 +1,4 @@
-"""Optimizers (training/optim.py, training/came.py): CAME against its reference, CAME state
+"""Optimizers (training/optim/factory.py, training/optim/came.py): CAME against its reference, CAME state
 round trips and exact resume, and the weight-decay groups on every backend's parameters."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from test_loop import run, tiny_config
 
 from training.backends.gpu import GpuBackend, GpuConfig
 from training.backends.state import from_named_optimizer_state, to_named_optimizer_state
-from training.came import CAME
 from training.data import write_synthetic_features
-from training.model import ModelConfig, build_model
-from training.optim import DEFAULT_BETAS, DEFAULT_EPS, OptimConfig, named_groups, optimizer_factory
+from training.model.build import ModelConfig, build_model
+from training.optim.came import CAME
+from training.optim.factory import DEFAULT_BETAS, DEFAULT_EPS, OptimConfig, named_groups, optimizer_factory
 
 
 def _problem(seed: int = 0) -> torch.nn.Module:

@@ -15,9 +15,8 @@ import torch
 from safetensors.torch import load as st_load
 
 from training.data import FeatureLoader
-from training.errors import UserError
-from training.precompute import main, preprocess
-from training.text_features import (
+from training.data.precompute import main, preprocess
+from training.data.text_features import (
     SANA_CHI,
     chi_sha256,
     encode_captions,
@@ -25,7 +24,8 @@ from training.text_features import (
     null_caption,
     resolve_chi,
 )
-from training.tiny_components import (
+from training.errors import UserError
+from training.model.tiny import (
     TINY_RESOLUTION,
     build_tiny_components,
     write_image_caption_folder,
@@ -201,7 +201,7 @@ def test_two_ranks_under_torchrun(models, tmp_path: Path):
     write_image_caption_folder(raw, num=9, seed=2)
     out = tmp_path / "features"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "training.precompute", *args(models, raw, out, "--samples-per-shard", "2", "--merge-timeout", "120")]
+           "-m", "training.data.precompute", *args(models, raw, out, "--samples-per-shard", "2", "--merge-timeout", "120")]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -277,7 +277,7 @@ def test_buckets_mixed_shapes_skips_and_loader(models, loaded, tmp_path: Path, c
     buckets at Sana's sizes, a tiny and a corrupt image are skipped with one summary line
     per reason, each stored latent is the VAE's encoding of the cover-resize + centre crop,
     and every loader batch is one bucket."""
-    from training.precompute import preprocess_to
+    from training.data.precompute import preprocess_to
 
     raw = tmp_path / "raw"
     for sub, aspect, num in (("square", 1.0, 5), ("tall", 2.0, 4), ("wide", 0.5, 3)):

@@ -2,7 +2,7 @@
 ``python -m training.gpu`` run save a checkpoint within two steps and exit 143; the resumed run
 ends bit-identical to one that was never stopped. With two ranks, a signal that reaches only
 rank 1 during step k stops both ranks after saving step k + 1 (the host-side exchange every
-step, training/preemption.py), however far the next logging step is."""
+step, training/failure/preemption.py), however far the next logging step is."""
 
 from __future__ import annotations
 

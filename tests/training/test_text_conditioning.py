@@ -16,18 +16,18 @@ from safetensors.torch import load as st_load
 from safetensors.torch import load_file
 
 from tests.training.cpu_run import train_on_cpu
+from training.checkpoint.export import main as export_main
 from training.config import config_from_dict, load_yaml
 from training.data import FeatureIndex, write_synthetic_features
-from training.export import main as export_main
-from training.precompute import main as precompute
-from training.text_features import (
+from training.data.precompute import main as precompute
+from training.data.text_features import (
     SANA_CHI,
     TextConditioning,
     chi_sha256,
     default_complex_human_instruction,
     warn_if_unexpected,
 )
-from training.tiny_components import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
+from training.model.tiny import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
 
 REPO = Path(__file__).resolve().parents[2]
 N = 16
@@ -174,7 +174,7 @@ def test_conditioning_travels_to_checkpoint_and_export_and_a_fine_tune_warns_onc
 def test_pretrained_without_a_record_is_taken_as_sanas_default(made, tmp_path):
     from diffusers import SanaTransformer2DModel
 
-    from training.model import PRESETS
+    from training.model.build import PRESETS
 
     SanaTransformer2DModel(**PRESETS["tiny"]).save_pretrained(tmp_path / "released")  # like NVlabs' dirs
     model = SanaTransformer2DModel.from_pretrained(tmp_path / "released")

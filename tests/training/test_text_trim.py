@@ -1,4 +1,4 @@
-"""Caption trimming (training/text_trim.py): trimmed batches train exactly like padded ones,
+"""Caption trimming (training/data/text_trim.py): trimmed batches train exactly like padded ones,
 the trim rounds up to the configured lengths and keeps the null caption, and the loop logs
 MFU on real tokens next to the padded figure."""
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.training.cpu_run import train_on_cpu
-from training import flops
 from training.data import FeatureLoader, write_synthetic_features
-from training.model import PRESETS, ModelConfig, build_model
+from training.data.text_trim import BatchTokens, TextTrimConfig, TokenMeter, count_step, trim_length, trimmed
+from training.model.build import PRESETS, ModelConfig, build_model
 from training.objective import ObjectiveConfig, RectifiedFlow
-from training.text_trim import BatchTokens, TextTrimConfig, TokenMeter, count_step, trim_length, trimmed
+from training.perf import flops
 
 B, C, H, N, D = 4, 4, 8, 40, 8
 LENGTHS = [8, 16, 24]

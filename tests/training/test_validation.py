@@ -25,17 +25,17 @@ from training.backends.gpu import GpuBackend
 from training.checkpoint.consolidate import load_full
 from training.config import config_from_dict, load_yaml
 from training.data import FeatureLoader, write_synthetic_features
+from training.data.precompute import main as precompute
+from training.data.text_features import SANA_CHI
 from training.errors import UserError
-from training.precompute import main as precompute
-from training.text_features import SANA_CHI
-from training.tiny_components import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
-from training.validation import (
+from training.evaluation.validation import (
     NoValidation,
     ValidationConfig,
     build_validation,
     grid,
     preserved_rng,
 )
+from training.model.tiny import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
 
 REPO = Path(__file__).resolve().parents[2]
 N = 16
@@ -125,9 +125,9 @@ def test_training_with_validation_is_bit_identical_to_without_and_resumes_bit_id
 
 def loaded(features: Path, **cfg):
     """A Validation built as the loop builds it, with its model and EMA."""
-    from training.ema import EMA, EmaConfig
     from training.metrics import MetricsLogger
-    from training.model import ModelConfig, build_model
+    from training.model.build import ModelConfig, build_model
+    from training.optim.ema import EMA, EmaConfig
 
     torch.manual_seed(0)
     backend = GpuBackend(config(features, Path("unused"), 1).gpu, precision="fp32")
@@ -222,7 +222,7 @@ def test_configuration_mistakes_are_one_line(features, tmp_path):
     assert chosen.prompts == [PROMPTS[2], PROMPTS[0]] and chosen.chosen == [2, 0]
     write_synthetic_features(tmp_path / "synthetic", num_samples=4, latent_shape=(4, 32, 32), text_dim=8)
     with pytest.raises(UserError, match="holds no precomputed validation prompts; re-run python -m "
-                                        "training.precompute --merge-only"):
+                                        "training.data.precompute --merge-only"):
         loaded(tmp_path / "synthetic", out=tmp_path)
     with pytest.raises(UserError, match="validation.vae: cannot load AutoencoderDC from /nope"):
         loaded(features, out=tmp_path, vae="/nope")
@@ -319,8 +319,8 @@ def test_a_lora_run_with_validation_renders_the_adapted_model(features, tmp_path
     (``...base_layer.weight``, ``...lora_A.default.weight``), so the render copy carries the
     same adapters; what it draws equals the adapter merged into the base weights (what
     ``export --lora-merge`` writes) and differs from the base alone."""
-    from training.lora import LoraConfig, is_adapter_key, merged_state_dict
     from training.metrics import MetricsLogger
+    from training.model.lora import LoraConfig, is_adapter_key, merged_state_dict
 
     cfg = config(features, tmp_path / "run", 4, every_steps=2)
     cfg.lora = LoraConfig(rank=2, alpha=4.0)

@@ -28,10 +28,10 @@ import torch  # noqa: E402
 from training.backends.neuron import NeuronBackend  # noqa: E402
 from training.backends.neuron_config import NeuronConfig  # noqa: E402
 from training.loop import train_step  # noqa: E402
-from training.model import ModelConfig, build_model  # noqa: E402
+from training.model.build import ModelConfig, build_model  # noqa: E402
 from training.objective import ObjectiveConfig, RectifiedFlow  # noqa: E402
-from training.optim import OptimConfig, build_scheduler, optimizer_factory  # noqa: E402
-from training.trn_smoke import step_graph_hash, step_graph_tensors  # noqa: E402
+from training.optim.factory import OptimConfig, build_scheduler, optimizer_factory  # noqa: E402
+from training.smoke.trn import step_graph_hash, step_graph_tensors  # noqa: E402
 
 
 def main() -> None:

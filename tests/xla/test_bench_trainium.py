@@ -8,8 +8,8 @@ import math
 import yaml
 from xla_helpers import tiny_tree
 
-from training.bench import main
-from training.bench_result import BenchResult
+from training.perf.bench import main
+from training.perf.bench_result import BenchResult
 
 
 def test_bench_reports_compiles_and_a_steady_timed_window(features, tmp_path):

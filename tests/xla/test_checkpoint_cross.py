@@ -15,8 +15,8 @@ from training.backends.neuron_config import NeuronConfig
 from training.checkpoint import STATE_FILE, find_latest, verify
 from training.checkpoint.consolidate import load_full
 from training.loop import train
-from training.model import ModelConfig, build_model
-from training.optim import OptimConfig, optimizer_factory
+from training.model.build import ModelConfig, build_model
+from training.optim.factory import OptimConfig, optimizer_factory
 
 
 def _files(ckpt: Path) -> tuple[dict, dict]:

@@ -25,7 +25,7 @@ def test_gradient_checkpointing_uses_torch_xla_and_matches(features):
 
     model = ckpt["module"]
     assert model.is_gradient_checkpointing
-    assert model._checkpoint_fn is checkpoint  # training/activation_checkpointing.py's hook
+    assert model._checkpoint_fn is checkpoint  # training/model/activation_checkpointing.py's hook
     (pl, pn), (cl, cn) = plain["logged"][0], ckpt["logged"][0]
     assert cl == pytest.approx(pl, rel=1e-4)
     assert cn == pytest.approx(pn, rel=1e-4)
@@ -39,7 +39,7 @@ def test_gradient_checkpointing_uses_torch_xla_and_matches(features):
 def test_selective_checkpointing_is_refused_on_trainium():
     """Op-level SAC needs eager per-op dispatch, which lazy XLA tracing does not give."""
     from training.errors import UserError
-    from training.model import ModelConfig, build_model
+    from training.model.build import ModelConfig, build_model
 
     backend = NeuronBackend(NeuronConfig(), precision="fp32")
     backend.init()

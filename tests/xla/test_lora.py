@@ -13,7 +13,7 @@ from xla_helpers import BATCH, fixed_noise_objective
 
 from training.backends.neuron import NeuronBackend
 from training.backends.neuron_config import NeuronConfig
-from training.lora import LoraConfig, apply_lora, is_adapter_key
+from training.model.lora import LoraConfig, apply_lora, is_adapter_key
 
 STEPS = 2
 
@@ -26,8 +26,8 @@ def test_lora_step_with_zero1_trains_only_the_adapters(features, precision):
 
     from training.data import FeatureLoader
     from training.loop import train_step
-    from training.model import ModelConfig, build_model
-    from training.optim import OptimConfig, build_scheduler, optimizer_factory
+    from training.model.build import ModelConfig, build_model
+    from training.optim.factory import OptimConfig, build_scheduler, optimizer_factory
 
     backend = NeuronBackend(NeuronConfig(zero1=True), precision=precision)
     backend.init()
@@ -75,7 +75,7 @@ def test_lora_with_activation_checkpointing_gets_adapter_gradients():
     """torch_xla's checkpoint is reentrant: a block's output has a gradient only if an input
     has one, and with a frozen patch embedding none would (apply_lora's input hook). Adapter
     gradients with full checkpointing must equal those without."""
-    from training.model import ModelConfig, build_model
+    from training.model.build import ModelConfig, build_model
 
     backend = NeuronBackend(NeuronConfig(), precision="fp32")
     backend.init()

@@ -1,7 +1,7 @@
 """training/requirements-neuron.txt installs ONE Neuron SDK release, exactly.
 
 Every Neuron pin (and the torch / torch-xla pair torch-neuronx is built for) is an exact
-``==`` version equal to the named release's row in training/neuron_release.py, the table
+``==`` version equal to the named release's row in training/backends/neuron_release.py, the table
 the deployment smoke job also compares the nodes with (training/smoke/parse.py).
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from training.neuron_release import NEURON_RELEASES
+from training.backends.neuron_release import NEURON_RELEASES
 from training.smoke.parse import NEURON_SYSTEM_PACKAGES, neuron_pins
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ def skew(text: str) -> list[str]:
     """What in ``text`` disagrees with its release's row (empty: one release, exact)."""
     release, pins = release_and_pins(text)
     if release not in NEURON_RELEASES:
-        return [f"release {release} has no row in training/neuron_release.py"]
+        return [f"release {release} has no row in training/backends/neuron_release.py"]
     problems = []
     for name, version in NEURON_RELEASES[release]["pip"].items():
         op, have = pins.get(name, ("", "<missing>"))

@@ -114,7 +114,7 @@ def test_xla_test_requirements_take_pins_from_the_neuron_file():
 
 def test_accelerator_names_match_the_flops_table():
     from training.backends.neuron import neuron_accelerator
-    from training.flops import ACCELERATORS
+    from training.perf.flops import ACCELERATORS
 
     assert neuron_accelerator("trn1.32xlarge", {}) == "NeuronCore-v2"
     assert neuron_accelerator("trn1n.32xlarge", {}) == "NeuronCore-v2"
@@ -145,8 +145,8 @@ def test_zero1_collectives_are_configured_as_nxd():
     trainium.zero1_bucket_mb; test_zero1.py proves the update still equals the unsharded one."""
     import torch
 
-    from training.model import ModelConfig, build_model
-    from training.optim import OptimConfig, optimizer_factory
+    from training.model.build import ModelConfig, build_model
+    from training.optim.factory import OptimConfig, optimizer_factory
 
     backend = NeuronBackend(NeuronConfig(zero1=True, zero1_bucket_mb=8), precision="fp32")
     backend.init()

@@ -1,4 +1,4 @@
-"""The Trainium backend computes Sana's linear attention in fp32 too (training/attention.py).
+"""The Trainium backend computes Sana's linear attention in fp32 too (training/model/attention.py).
 
 ``torch.autocast("xla", dtype=bf16)`` (bf16-mixed) puts ``matmul`` on its lower-precision list
 like CUDA's autocast does, and pure bf16 feeds bf16 q/k/v; either way the processor must
@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from training.backends.neuron import NeuronBackend
 from training.backends.neuron_config import NeuronConfig
-from training.model import ModelConfig, build_model
+from training.model.build import ModelConfig, build_model
 
 
 class _AttnOps(TorchDispatchMode):
@@ -69,7 +69,7 @@ def test_weight_decay_groups_hold_on_xla_parameters_and_zero1(zero1: bool) -> No
     gradients only decayed parameters move, by exactly lr * wd * p."""
     import torch_xla
 
-    from training.optim import OptimConfig, no_decay_names, optimizer_factory
+    from training.optim.factory import OptimConfig, no_decay_names, optimizer_factory
 
     backend = NeuronBackend(NeuronConfig(zero1=zero1), precision="fp32")
     backend.init()

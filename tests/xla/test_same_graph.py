@@ -5,7 +5,7 @@ torchrun sets them, hash their pending step graph with torch-xla's own graph has
 of its compilation cache). One hash means one neuronx-cc compile and one cache entry
 serve every rank. Fails on the objective that sliced its global draw with Python bounds
 (measured: rank 0 and rank 1 hashed cd0d77... and 16ad5d...). On a trn node,
-training/trn_smoke.py all-gathers the same hash across the real world.
+training/smoke/trn.py all-gathers the same hash across the real world.
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def test_came_zero1_step_on_xla_matches_unsharded_came(came_steps):
     Sharding across more than one rank over real collectives: tests/training/test_came_sharded.py."""
     from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
-    from training.came import CAME
+    from training.optim.came import CAME
 
     plain, zero = came_steps
     assert isinstance(zero["optim"], ZeroRedundancyOptimizer) and isinstance(zero["optim"].base_optimizer, CAME)
@@ -191,8 +191,8 @@ def test_came_row_masks_are_graph_data_so_every_rank_traces_one_graph():
     in as a constant (or a Python slice to the real rows) would give one graph per pattern."""
     import torch_xla
 
-    from training.came import CAME, RowShard
-    from training.trn_smoke import step_graph_hash
+    from training.optim.came import CAME, RowShard
+    from training.smoke.trn import step_graph_hash
 
     device = torch_xla.device()
 

@@ -87,8 +87,8 @@ def run_steps(backend, features: Path, *, steps: int, max_grad_norm: float = 1.0
     norm) and the final full CPU states."""
     from training.data import FeatureLoader
     from training.loop import train_step
-    from training.model import ModelConfig, build_model
-    from training.optim import OptimConfig, build_scheduler, optimizer_factory
+    from training.model.build import ModelConfig, build_model
+    from training.optim.factory import OptimConfig, build_scheduler, optimizer_factory
 
     optim = OptimConfig(name=optimizer, lr=1e-3, warmup_steps=0, max_grad_norm=max_grad_norm)
     torch.manual_seed(0)

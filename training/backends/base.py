@@ -33,7 +33,7 @@ class Backend(abc.ABC):
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
-    #: True when batches may change their caption length from step to step (training/text_trim.py):
+    #: True when batches may change their caption length from step to step (training/data/text_trim.py):
     #: eager backends; False keeps the padded length (XLA: a new shape is a new graph)
     trims_text: bool = False
 
@@ -68,7 +68,7 @@ class Backend(abc.ABC):
     def build_optimizer(self, model: nn.Module, make: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
                         ) -> torch.optim.Optimizer:
         """Build the optimizer over ``model``'s parameters with ``make`` (AdamW or CAME with the
-        configured hyper-parameters, training/optim.py); a backend may wrap it (ZeRO-1 on
+        configured hyper-parameters, training/optim/factory.py); a backend may wrap it (ZeRO-1 on
         Trainium). Hand ``make`` the model's own parameter objects as they are after
         ``prepare_model`` (DTensors under FSDP2, XLA tensors): ``make`` splits them into
         weight-decay groups by looking their names up on the model by identity."""
@@ -119,7 +119,7 @@ class Backend(abc.ABC):
 
         Host-side (a gloo all-reduce of one CPU int on a CPU process group): no device work,
         no op in an XLA step graph, nothing the device queue waits for, so the loop can start
-        one every step and read it one step later for free (training/preemption.py). Every
+        one every step and read it one step later for free (training/failure/preemption.py). Every
         rank must start the same sequence. One process: ``value``."""
         return lambda: value
 

@@ -9,7 +9,7 @@ Precision modes (TrainConfig.precision):
 - ``bf16-mixed``: fp32 master weights and optimizer state, bf16 compute via autocast
   (under FSDP too: its units gather fp32 parameters and cast no forward inputs, so FSDP
   computes exactly what DDP + autocast does; see ``_fully_shard``). What stays fp32 as in NVlabs Sana: the linear self-attention's
-  matmuls and normaliser (training/attention.py), the timestep and its sinusoidal embedding,
+  matmuls and normaliser (training/model/attention.py), the timestep and its sinusoidal embedding,
   the adaLN modulation and residual stream, autocast's fp32 ops (norms, softmax), the loss.
 - ``bf16``: refused here (``UserError``), on purpose. Pure bf16 weights and AdamW state
   with round-to-nearest lose every update below half a bf16 ulp (a norm weight at 1.0
@@ -65,7 +65,7 @@ class GpuConfig:
     #: ddp: "bf16" all-reduces gradients in bf16 (torch's bf16_compress_hook: half the bytes,
     #: fp32 gradients again after the reduce) or "none" (fp32 all-reduce)
     ddp_grad_compression: str = "none"
-    #: torch.compile each transformer block before wrapping (training/compile.py; first step
+    #: torch.compile each transformer block before wrapping (training/model/compile.py; first step
     #: compiles, later runs load kernels from ``compile_cache_dir``)
     compile: bool = False
     #: torch.compile backend: "inductor" (generated kernels; what training uses) or
@@ -76,16 +76,16 @@ class GpuConfig:
     #: skipped when the FSx root ($SANA_FSX, else /fsx) does not exist; "" = torch's default
     compile_cache_dir: str = "${SANA_FSX:-/fsx}/cache/inductor/${USER}"
     #: TF32 tensor-core matmuls for fp32 ops (Ampere+); no effect on CPU. This includes the
-    #: fp32 linear attention (training/attention.py): NVlabs Sana never enables TF32, so the
+    #: fp32 linear attention (training/model/attention.py): NVlabs Sana never enables TF32, so the
     #: presets set false and those matmuls stay IEEE fp32 as in Sana
     tf32: bool = True
     #: FSDP2: keep parameters unsharded after forward (faster backward, more memory)
     fsdp_reshard_after_forward: bool = True
     #: read one batch ahead and copy it on a side CUDA stream while the step runs
-    #: (training/input_pipeline.py): "auto" = on CUDA; "on" also on CPU (the read-ahead alone,
+    #: (training/data/input_pipeline.py): "auto" = on CUDA; "on" also on CPU (the read-ahead alone,
     #: for tests of the resume position); "off" = copy each batch when the step asks for it
     device_prefetch: str = "auto"
-    #: before step 0, estimate memory per GPU (training/memory.py) and refuse a config that
+    #: before step 0, estimate memory per GPU (training/perf/memory.py) and refuse a config that
     #: cannot fit, naming the knob: "auto" = on CUDA (a CPU run has no device memory to
     #: protect, and the estimate costs seconds), "on" = always (80 GB assumed off CUDA), "off"
     memory_check: str = "auto"
@@ -175,9 +175,9 @@ def _output_not_a_view(module: nn.Module, args: tuple, output: Any) -> Any:
 
 
 def accelerator_key(device_name: str, memory_bytes: int) -> str:
-    """torch's device name -> the training.flops accelerator key (its MFU peak), else the name.
-    The table of names and peaks is training/flops.py's (``DEVICE_NAMES``, ``ACCELERATORS``)."""
-    from training.flops import accelerator_for_device
+    """torch's device name -> the training.perf.flops accelerator key (its MFU peak), else the name.
+    The table of names and peaks is training/perf/flops.py's (``DEVICE_NAMES``, ``ACCELERATORS``)."""
+    from training.perf.flops import accelerator_for_device
 
     return accelerator_for_device(device_name, memory_bytes)
 
@@ -253,7 +253,7 @@ class GpuBackend(Backend):
         AC wrapping and before FSDP")."""
         model.to(self.device)
         if self.cfg.compile:
-            from training.compile import compile_blocks, configure_cache
+            from training.model.compile import compile_blocks, configure_cache
 
             configure_cache(self.cfg.compile_cache_dir)
             compile_blocks(model, backend=self.cfg.compile_backend)
@@ -335,11 +335,11 @@ class GpuBackend(Backend):
         return model
 
     def compile_stats(self) -> dict[str, Any] | None:
-        """dynamo's counts so far (training/compile.py ``compile_stats``), None when
+        """dynamo's counts so far (training/model/compile.py ``compile_stats``), None when
         ``gpu.compile`` is off (nothing is compiled, so nothing to count)."""
         if not self.cfg.compile:
             return None
-        from training.compile import compile_stats
+        from training.model.compile import compile_stats
 
         return compile_stats()
 
@@ -378,11 +378,11 @@ class GpuBackend(Backend):
         return contextlib.nullcontext()
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
-        """One batch ahead on a side stream (training/input_pipeline.py); captions travel in
+        """One batch ahead on a side stream (training/data/input_pipeline.py); captions travel in
         their host dtype (bf16 when the loader keeps the stored dtype) and reach the step as
         fp32, as before. NOTE: reading ahead moves the loader past the batch in use; the loop
         checkpoints ``LoaderPosition`` (the position after the last batch a step used)."""
-        from training.input_pipeline import StreamCopy, cast_text, read_ahead
+        from training.data.input_pipeline import StreamCopy, cast_text, read_ahead
 
         cuda = self.device.type == "cuda"
         ahead = self.cfg.device_prefetch == "on" or (self.cfg.device_prefetch == "auto" and cuda)

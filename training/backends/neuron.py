@@ -40,11 +40,11 @@ Precision modes (``TrainConfig.precision``), and the trade-off:
   master weights - the usual large-model recipe on Trainium.
 
 In every mode the linear self-attention's matmuls and normaliser run in fp32, as NVlabs Sana
-trains: the model's processor (training/attention.py) disables ``torch.autocast("xla")``
+trains: the model's processor (training/model/attention.py) disables ``torch.autocast("xla")``
 around them and casts q/k/v to fp32 (tests/xla/test_numerics_xla.py), and the timestep stays
 fp32 in pure bf16 (``_cast_floats_to_bf16``). CAME (``optim.name: came``, NVlabs Sana's
 optimizer) runs with ZeRO-1 too: its factored statistics shard by rows, and the sums over
-rows it needs are all-reduced over the ZeRO group (training/came.py ``CAME.shard``). ZeRO-1
+rows it needs are all-reduced over the ZeRO group (training/optim/came.py ``CAME.shard``). ZeRO-1
 reduce-scatters the gradients in fp32 (``higher_cc_precision``), whatever the weights' dtype:
 a bf16 sum over 32+ ranks loses the low bits of every gradient, where Sana's GPU training
 all-reduces fp32 gradients (its AMP keeps fp32 master weights).
@@ -105,7 +105,7 @@ def neuron_status() -> tuple[bool, str]:
 
 
 def neuron_accelerator(product_name: str | None = None, env: Mapping[str, str] | None = None) -> str:
-    """What one rank drives, named as in training/flops.py ACCELERATORS (for MFU).
+    """What one rank drives, named as in training/perf/flops.py ACCELERATORS (for MFU).
 
     trn1/trn1n: a NeuronCore-v2. trn2: a logical NeuronCore of 2 physical v3 cores at the
     default NEURON_LOGICAL_NC_CONFIG=2 (one v3 core with 1). The instance family comes from
@@ -176,7 +176,7 @@ def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
     600M). Filling the state up front makes step 0 run the steady graph. Other optimizers are
     left alone (they compile twice, correctly).
     """
-    from training.came import CAME
+    from training.optim.came import CAME
 
     if isinstance(optimizer, CAME):
         optimizer.init_state()
@@ -263,7 +263,7 @@ class NeuronBackend(Backend):
 
     # ----- model and optimizer ---------------------------------------------
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        from training.activation_checkpointing import (
+        from training.model.activation_checkpointing import (
             apply_activation_checkpointing,
             mode_of,
             refuse_unsupported,
@@ -271,7 +271,7 @@ class NeuronBackend(Backend):
 
         mode = mode_of(model)
         if mode != "none":
-            # "selective" needs per-op eager dispatch (training/activation_checkpointing.py).
+            # "selective" needs per-op eager dispatch (training/model/activation_checkpointing.py).
             refuse_unsupported(mode, ("none", "full", "every_n"), "trainium")
             # torch.utils.checkpoint fails on XLA ("module 'torch' has no attribute 'xla'");
             # torch_xla's version adds the optimization barrier that stops XLA's CSE from
@@ -326,7 +326,7 @@ class NeuronBackend(Backend):
             pin_layout=False, save_master_weights=False, higher_cc_precision=True,
             bucket_cap_mb_all_gather=bucket, bucket_cap_mb_reduce_scatter=bucket)
         self._zero, self._zero_model = zero, self.unwrap(model)
-        from training.came import CAME
+        from training.optim.came import CAME
 
         if isinstance(zero.base_optimizer, CAME):
             self._shard_came(zero)
@@ -338,7 +338,7 @@ class NeuronBackend(Backend):
         masks as graph inputs) and how to sum over the ZeRO group: one all-reduce per phase."""
         import torch_xla.core.xla_model as xm
 
-        from training.came import flat_reduce, row_shards
+        from training.optim.came import flat_reduce, row_shards
 
         groups = zero.sharding_groups
         shards = row_shards(((param, shard) for _n, param, shard in self._zero_pairs(self._zero_model)),
@@ -356,7 +356,7 @@ class NeuronBackend(Backend):
         # See the module docstring for why this is not MpDeviceLoader.
         import torch_xla.core.xla_model as xm
 
-        from training.input_pipeline import cast_text
+        from training.data.input_pipeline import cast_text
 
         for batch in batches:
             # Captions reach the step graph as fp32 whatever data.text_dtype is (cast on the
@@ -613,7 +613,7 @@ class NeuronBackend(Backend):
         zero = self._zero
         # Hyper-parameters from the checkpoint; the implementation keys (fused, foreach) stay this
         # process's: a GPU checkpoint saved with fused AdamW must not ask XLA for a fused kernel.
-        from training.optim import IMPLEMENTATION_KEYS
+        from training.optim.factory import IMPLEMENTATION_KEYS
 
         for group, saved in zip(zero.param_groups, param_groups, strict=True):
             group.update({k: v for k, v in saved.items() if k != "params" and k not in IMPLEMENTATION_KEYS})

@@ -309,9 +309,9 @@ def zero1_rows_of(key: str, value: Any) -> bool:
     """Whether optimizer state entry ``key`` is sharded by rows like its ZeRO-1 parameter shard
     (Adam's moments; CAME's first moment, row statistics and unfactored second moments), as
     opposed to a scalar (``step``) or an entry every rank holds whole (CAME's column
-    statistics: training/came.py ``REPLICATED_STATE``). By name, not by shape: a column
+    statistics: training/optim/came.py ``REPLICATED_STATE``). By name, not by shape: a column
     statistic can be as long as a shard is tall."""
-    from training.came import REPLICATED_STATE
+    from training.optim.came import REPLICATED_STATE
 
     return torch.is_tensor(value) and value.dim() > 0 and key not in REPLICATED_STATE
 

@@ -4,13 +4,13 @@ Layout of a feature directory (local/FSx path or ``s3://`` prefix)::
 
     index.json                 shapes, dtype, per-shard sample count / bytes / sha256, and
                                text_conditioning (CHI, N, tokenizer, text encoder: see
-                               training/text_features.py TextConditioning)
+                               training/data/text_features.py TextConditioning)
     null_caption.safetensors   {"text": [N, D] bf16, "mask": [N]}: the empty caption's full
                                encoding, for CFG dropout (Sana's token_drop swaps it in whole)
                                and the negative prompt of validation images; older
                                directories hold {"text": [n, D]}, its real rows only
     validation_prompts.safetensors  {"0000": [n, D] bf16, ...}: index.json validation.prompts,
-                               encoded like the captions (optional; training/validation.py)
+                               encoded like the captions (optional; training/evaluation/validation.py)
     shard-00000.tar ...        one member per sample: ``<key>.safetensors`` holding
                                "latents" [C,H,W] bf16 (UNscaled) and "text" [n_real, D] bf16
 
@@ -21,7 +21,7 @@ grouped by bucket). ``latent_shape`` is then the most populous bucket's. Without
 ``buckets`` (square mode, older directories) every sample has ``latent_shape``.
 
 Why this shape: the text encoder (Gemma-2-2B) and the VAE cost more per sample than a
-600M training step, so they run once (training/precompute.py). Embeddings keep only their
+600M training step, so they run once (training/data/precompute.py). Embeddings keep only their
 real tokens (a 20-token caption stores 20 rows, not 300): about 6x fewer bytes on S3/FSx;
 padding and the attention mask are recreated in collate to ``max_text_tokens`` so every
 batch has the same static shape (XLA compiles one graph; ``drop_last`` for the same reason).

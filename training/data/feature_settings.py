@@ -11,7 +11,7 @@ A setting is compared only when both sides know it (a model's fingerprint is unk
 run that did not load it): directories written before
 ``settings`` existed are read from what they did record (``created_by``, the markers'
 ``bucket_table``, ``text_conditioning``); those older precomputes lower-cased captions
-(``caption_text: diffusers``, training/text_features.py).
+(``caption_text: diffusers``, training/data/text_features.py).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def recorded_settings(index: Mapping[str, Any] | None, markers: Mapping[str, Map
     known: dict[str, Any] = {}
     if index:
         created = index.get("created_by") or {}
-        if created.get("tool") == "training.precompute":
+        if created.get("tool") == "training.data.precompute":
             for key in ("resolution", "buckets", "max_upscale", "dtype"):
                 if key in created:
                     known[key] = created[key]

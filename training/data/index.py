@@ -13,8 +13,8 @@ import torch
 
 from training import s3
 from training.data.shards import FORMAT, INDEX, _sha256
+from training.data.text_features import TextConditioning
 from training.errors import UserError
-from training.text_features import TextConditioning
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class FeatureIndex:
                 text = s3.get_bytes(url.join(INDEX), s3=s3.client(endpoint_url)).decode()
             except UserError as exc:
                 raise UserError(f"{source}: cannot read {INDEX} ({exc}); run python -m "
-                                "training.precompute --out to that prefix or fix data.path") from None
+                                "training.data.precompute --out to that prefix or fix data.path") from None
         else:
             path = Path(source) / INDEX
             if not path.is_file():

@@ -1,6 +1,6 @@
 """One raw image + caption pair -> (pixels at its bucket's size, caption text), or a Skip.
 
-What precompute (training/precompute.py) does per sample, and every way a sample is left
+What precompute (training/data/precompute.py) does per sample, and every way a sample is left
 out, each counted under one reason and named by its file in one warning line:
 
 - ``no caption``: an image without its ``.txt`` (or a WebDataset sample without one);

@@ -1,3 +1,3 @@
-"""Looking at what a model does: diffusers' ``SanaPipeline`` assembled from what training produces
-(an exported transformer, the DC-AE and Gemma-2 the features were made with) and sampled
-(``sample``)."""
+"""Looking at what a model does: validation image grids during training from precomputed
+prompt embeddings (``validation``), and diffusers' ``SanaPipeline`` assembled from an export
+and sampled offline (``sample``)."""

@@ -7,7 +7,7 @@ were encoded with (by default the directories the export's ``text_conditioning.j
 a directory whose fingerprint differs from the recorded one is refused, as in
 training/serve/export.py), and samples one prompt with the text conditioning the model was
 trained with (its complex human instruction and N) and Sana's sampler: ``flow_dpm-solver`` by
-default (training/validation.py ``sana_scheduler``). Nothing is downloaded.
+default (training/evaluation/validation.py ``sana_scheduler``). Nothing is downloaded.
 
 The last step of the offline loop in runbooks/data.md (tiny models -> precompute -> train ->
 export -> this), which tests/docs/test_offline_loop.py runs as written.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from training.errors import UserError, exits_cleanly
-from training.validation import SAMPLERS, sana_scheduler
+from training.evaluation.validation import SAMPLERS, sana_scheduler
 
 
 def load_pipeline(transformer: Path, vae: Path, *, text_encoder: str | None = None, tokenizer: str | None = None,

@@ -1,6 +1,6 @@
 """When one rank fails, every rank ends in seconds, and the job log says which rank and why.
 
-The same on every backend (the entry, training/entry.py, runs it for training.gpu and
+The same on every backend (the entry, training/loop.py ``run``, runs it for training.gpu and
 training.trainium alike):
 
 1. The failing rank stops taking part in collectives. The loop abandons a checkpoint save in

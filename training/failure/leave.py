@@ -5,7 +5,7 @@ Exit codes of a training rank (runbooks/checkpoints-and-recovery.md, "When a ran
 - ``1`` this rank raised (its traceback above, every line prefixed ``[rank R]``);
 - ``2`` a ``UserError`` (one line naming the input and the fix);
 - ``3`` this rank was healthy and stopped because another rank failed (the line names it);
-- ``128 + signal`` stopped by SIGTERM/SIGUSR1 after a checkpoint (training/preemption.py).
+- ``128 + signal`` stopped by SIGTERM/SIGUSR1 after a checkpoint (training/failure/preemption.py).
 
 A distributed rank leaves with ``os._exit`` after flushing: interpreter teardown would join
 threads and destroy process groups whose peers are gone (NCCL's ``destroy_process_group``

@@ -2,7 +2,7 @@
 
     python -m training.perf.gpu_check OUT_DIR [--dry-run]
 
-Reads ``OUT_DIR/<run>.json`` (``training.bench`` results, validated by ``BenchResult.load``)
+Reads ``OUT_DIR/<run>.json`` (``training.perf.bench`` results, validated by ``BenchResult.load``)
 of the three runs gpu-check.sh makes and prints one table, exit status 1 when any target is
 missed (or a run is missing), 0 when every target passed:
 
@@ -12,7 +12,7 @@ target                                        measured from
 MFU >= 45%, sana-600m-512 bf16-mixed          ``mfu`` (real caption tokens) of the compiled
                                               comparison run, ours
 ratio to the reference >= 1.3x, both eager    median over repetitions of ours / reference
-ratio to the reference >= 1.3x, both compiled (training/reference_step.py), same batches
+ratio to the reference >= 1.3x, both compiled (training/perf/reference_step.py), same batches
 1.6B peak within 10% of the memory model      ``peak_memory_bytes`` / ``memory_estimate.total``
 compile speed-up > 1                          ours compiled / ours eager samples/s (600M)
 no recompiles after warm-up                   ``compiles_in_timed_steps`` == 0 (600M, 1.6B)
@@ -22,7 +22,7 @@ no graph breaks                               ``graph_breaks`` == 0 (600M, 1.6B)
 A result measured on a CPU fails every target unless ``--dry-run`` (gpu-check.sh's tiny CPU
 run) says so; there the figures a CPU cannot give (MFU, memory, the ratios and speed-up of
 a tiny model) are shown as SKIP, and the graph counts still must pass. A GPU whose name
-``training/flops.py`` does not know has no peak, hence no MFU: that is a FAIL naming the fix,
+``training/perf/flops.py`` does not know has no peak, hence no MFU: that is a FAIL naming the fix,
 never an assumed SXM peak.
 """
 
@@ -34,8 +34,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from training.bench_result import BenchResult
 from training.errors import UserError
+from training.perf.bench_result import BenchResult
 
 GIB = 2**30
 EAGER, COMPILED, BIG = "compare-600m-512-eager", "compare-600m-512-compile", "step-1600m-1024-1gpu"
@@ -105,7 +105,7 @@ def evaluate(out: Path, *, dry_run: bool = False) -> list[Row]:
                         "n/a" if mfu is None else f"{mfu:.1%} (padded {compiled.mfu_padded or 0:.1%})",
                         None if mfu is None else mfu >= MFU_TARGET,
                         why=(f"no published peak for {compiled.accelerator!r}: add its CUDA device name and "
-                             "datasheet peak to training/flops.py" if compiled and mfu is None else "below target")))
+                             "datasheet peak to training/perf/flops.py" if compiled and mfu is None else "below target")))
     for label, result, want_compiled in (("both eager", eager, False), ("both compiled", compiled, True)):
         ref = result.reference if result else None
         if result is not None and not ref:

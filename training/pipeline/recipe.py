@@ -95,7 +95,7 @@ def option_problems(options: list[str]) -> list[str]:
 
 @dataclasses.dataclass(kw_only=True)
 class SourceSection:
-    """The raw data: image + caption pairs (training/precompute.py lists the layouts)."""
+    """The raw data: image + caption pairs (training/data/precompute.py lists the layouts)."""
 
     #: a folder of images with .txt captions, WebDataset .tar files, or an s3:// prefix
     raw: str
@@ -125,7 +125,7 @@ class PrecomputeSection(Resources):
 
     def __post_init__(self) -> None:
         from training.data.buckets import SQUARE_MODE, TABLES
-        from training.text_features import CHI_CHOICES
+        from training.data.text_features import CHI_CHOICES
 
         problems = [f"{name}: {why}" for name in ("vae", "text_encoder", "tokenizer")
                     if (why := _uri(getattr(self, name)))]

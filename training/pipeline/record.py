@@ -80,7 +80,7 @@ def train_outputs(spec: dict[str, Any], inputs: dict[str, dict[str, Any]]) -> tu
 
 
 def bench_outputs(spec: dict[str, Any], inputs: dict[str, dict[str, Any]]) -> tuple[dict, dict]:
-    from training.bench_result import BenchResult
+    from training.perf.bench_result import BenchResult
 
     path = Path(spec["outputs"]["bench"])
     if not path.is_file():

@@ -2,7 +2,7 @@
 
 The path from a training export to a SageMaker endpoint (runbooks/serving.md):
 
-1. ``python -m training.serve.export``: the transformer export (training/export.py) plus the
+1. ``python -m training.serve.export``: the transformer export (training/checkpoint/export.py) plus the
    DC-AE, Gemma-2 and tokenizer it was trained with -> one diffusers ``SanaPipeline``
    directory, the *serving export*, with ``serving.json`` (sizes, limits, text conditioning).
 2. ``python -m training.serve.compile``: the serving export -> one TorchScript graph per

@@ -1,6 +1,6 @@
 """The "Serving" section of the decision report: cost per 1,000 images on Inferentia2 vs a GPU.
 
-Before any endpoint is measured, the cost is projected the way training/projection.py
+Before any endpoint is measured, the cost is projected the way training/report/projection.py
 projects training: FLOPs per image from the model, the instance's dense peak from its
 datasheet, list prices from training/prices.yaml, and an ASSUMED utilisation (MFU) band that
 is the same for both platforms, so the band favours neither. Measured serving benches
@@ -15,7 +15,7 @@ Formulas (tests/serve/test_cost.py checks them by hand):
 - equal-cost MFU ratio (inf2 over GPU) = (USD/h_inf2 / peak_inf2) / (USD/h_gpu / peak_gpu):
   Inferentia2 is cheaper per image iff m_inf2 / m_gpu exceeds it.
 
-The transformer forward is training/flops.py's analytic count; the Gemma-2-2B text encoder is
+The transformer forward is training/perf/flops.py's analytic count; the Gemma-2-2B text encoder is
 counted analytically below (its config: google/gemma-2-2b-it config.json, the text encoder
 NVlabs Sana's configs name); the DC-AE decoder is counted by torch's FlopCounterMode on the
 meta device for the dc-ae-f32c32-sana-1.0 config (diffusers scripts/convert_dcae_to_diffusers.py
@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from training import flops
+from training.perf import flops
 from training.serve.bench import ServeBenchResult
 
 
@@ -80,11 +80,11 @@ SANA_DCAE = dict(
 
 def serving_prices(paths: Sequence[str | Path]) -> dict[str, Any]:
     """The ``serving`` section of price files (training/prices.yaml's layout; later files win),
-    each entry validated as every price table's entries are (training/decision/prices.py)."""
+    each entry validated as every price table's entries are (training/report/prices.py)."""
     import yaml
 
-    from training.decision.prices import _entry  # one validation for every price entry
     from training.errors import UserError
+    from training.report.prices import _entry  # one validation for every price entry
 
     out: dict[str, Any] = {}
     for path in map(Path, paths):
@@ -153,7 +153,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def section(results: Sequence[ServeBenchResult], prices: Mapping[str, Any], *, preset: str = DEFAULT_PRESET,
             steps: int = DEFAULT_STEPS, mfu_band: tuple[float, float] = SERVE_MFU) -> list[str]:
     """Markdown lines of the report's "Serving" section."""
-    from training.model import PRESETS
+    from training.model.build import PRESETS
 
     lo, hi = mfu_band
     side = int(PRESETS[preset]["sample_size"]) * 32

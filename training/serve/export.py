@@ -1,6 +1,6 @@
 """``python -m training.serve.export --transformer DIR --vae DIR --out DIR``: the serving export.
 
-Serving needs the whole pipeline, not only the transformer ``training.export`` writes: the
+Serving needs the whole pipeline, not only the transformer ``training.checkpoint.export`` writes: the
 Gemma-2 text encoder and tokenizer the captions were encoded with, the DC-AE the latents came
 from, and the flow-matching sampler. This writes them as ONE diffusers ``SanaPipeline``
 directory (``SanaPipeline.save_pretrained``: ``model_index.json``, ``transformer/``,
@@ -14,13 +14,13 @@ directory (``SanaPipeline.save_pretrained``: ``model_index.json``, ``transformer
 
 ``--text-encoder`` and ``--tokenizer`` default to the directories the transformer's features
 were precomputed with (recorded in its ``text_conditioning.json``). If the export recorded
-their fingerprints (training/text_features.py ``dir_fingerprint``), a different directory is
+their fingerprints (training/data/text_features.py ``dir_fingerprint``), a different directory is
 refused: the model would be served captions encoded otherwise than it was trained on.
 
 The scheduler is ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)``: NVlabs Sana's
 "flow_euler" sampler, whose fixed step count the compiled serving graphs are traced for.
 Training validation and ``python -m training.evaluation.sample`` render with Sana's default
-"flow_dpm-solver" instead (training/validation.py ``sana_scheduler``).
+"flow_dpm-solver" instead (training/evaluation/validation.py ``sana_scheduler``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from training.data.text_features import CONDITIONING_FILE, TextConditioning, dir_fingerprint
 from training.errors import UserError, exits_cleanly
 from training.serve.spec import Limits, ServingSpec, Size, parse_sizes
-from training.text_features import CONDITIONING_FILE, TextConditioning, dir_fingerprint
 
 PROVENANCE_FILE = "serving_provenance.json"
 #: files of a serving export that are not part of its content hash (they record the hash)
@@ -64,7 +64,7 @@ def export_sha256(root: Path, *, skip: Sequence[str] = UNHASHED) -> str:
 def _conditioning(transformer_dir: Path) -> TextConditioning:
     path = transformer_dir / CONDITIONING_FILE
     if not path.is_file():
-        raise UserError(f"--transformer {transformer_dir}: no {CONDITIONING_FILE} (not a training.export "
+        raise UserError(f"--transformer {transformer_dir}: no {CONDITIONING_FILE} (not a training.checkpoint.export "
                         "directory?); serving must encode prompts as the training captions were")
     conditioning = TextConditioning.from_dict(json.loads(path.read_text()))
     if not conditioning.known or not conditioning.max_text_tokens:
@@ -97,7 +97,7 @@ def build_serving_export(*, transformer: Path, vae: Path, out: Path, text_encode
                          tokenizer: str | None = None, sizes: Sequence[Size] | None = None,
                          flow_shift: float = 3.0, dtype: str = "bf16", limits: Limits | None = None,
                          overwrite: bool = False, allow_conditioning_mismatch: bool = False) -> Path:
-    """Write the serving export for ``transformer`` (a training.export directory) to ``out``."""
+    """Write the serving export for ``transformer`` (a training.checkpoint.export directory) to ``out``."""
     from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
     from transformers import AutoTokenizer, Gemma2Model
 
@@ -178,7 +178,7 @@ def flow_shift_of(transformer: Path) -> float | None:
 @exits_cleanly
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m training.serve.export", description=__doc__.splitlines()[0])
-    p.add_argument("--transformer", required=True, help="training.export directory (SanaTransformer2DModel)")
+    p.add_argument("--transformer", required=True, help="training.checkpoint.export directory (SanaTransformer2DModel)")
     p.add_argument("--vae", required=True, help="AutoencoderDC directory the training latents were encoded with")
     p.add_argument("--text-encoder", help="Gemma-2 directory (default: the one precompute recorded)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the one precompute recorded)")

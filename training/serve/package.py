@@ -40,7 +40,7 @@ from training.serve.runtime import WEIGHT_SUFFIXES
 REPO = Path(__file__).resolve().parents[2]
 #: what code/ carries: the modules the handler (and the local server) import, and nothing of
 #: the build side (compile, package, bench, the report section, the smoke check, the demo)
-CODE_MODULES = ("training/__init__.py", "training/errors.py", "training/text_features.py",
+CODE_MODULES = ("training/__init__.py", "training/errors.py", "training/data/text_features.py",
                 *(f"training/serve/{name}.py" for name in (
                     "__init__", "errors", "spec", "components", "manifest", "export", "runtime", "handler", "server")))
 #: serving's runtime packages; versions are read from training/requirements-gpu.txt (one pin each)
@@ -142,7 +142,6 @@ def build_archive(export: Path, out: Path, *, compiled: Path | None = None, comp
 def upload(archive: Path, prefix: str, sha256: str) -> str:
     """Put ``archive`` under ``prefix`` as model-<sha12>.tar.gz (never overwriting); returns the URL."""
     from training import s3
-
     if not s3.is_s3_url(prefix):
         raise UserError(f"--upload {prefix}: give an s3:// prefix, e.g. s3://<artefacts bucket>/serving/")
     name = f"model-{sha256[:12]}.tar.gz"

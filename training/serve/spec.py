@@ -3,7 +3,7 @@
 ``ServingSpec`` lives in the serving export (training/serve/export.py writes it) and travels
 into ``model.tar.gz``: the image sizes the endpoint serves, the request limits, and the text
 conditioning the transformer was trained with (Sana's complex human instruction and the
-caption length N; training/text_features.py), which every request is encoded with. A request
+caption length N; training/data/text_features.py), which every request is encoded with. A request
 body is decoded by ``decode_body`` (the handler's ``input_fn``: it has no model) and checked
 against the model by ``validate_request`` (in ``predict_fn``); anything outside them is a
 ``RequestError`` (HTTP 400, one line).

@@ -99,7 +99,7 @@ own_dir() {
 }
 
 # Compile caches of this user only (compiled graphs and kernels are code the job runs): the
-# inductor cache training/compile.py puts under $SANA_FSX/cache/inductor/$USER and the Neuron
+# inductor cache training/model/compile.py puts under $SANA_FSX/cache/inductor/$USER and the Neuron
 # cache $SANA_CACHE_ROOT/neuron/<user> (NEURON_COMPILE_CACHE_URL, unless the submitter chose one).
 use_own_compile_caches() {
   local kind=$1 cache_root=${SANA_CACHE_ROOT:-$SANA_FSX/cache}
@@ -422,9 +422,9 @@ entry_module() {
   case $1 in
     gpu) echo training.gpu ;;
     trainium | precompile) echo training.trainium ;;
-    precompute) echo training.precompute ;;
-    bench) echo training.bench ;;
-    export) echo training.export ;;
+    precompute) echo training.data.precompute ;;
+    bench) echo training.perf.bench ;;
+    export) echo training.checkpoint.export ;;
     report) echo training.pipeline.report ;;
   esac
 }
@@ -592,7 +592,7 @@ run_node() {
       config=$1
       shift
     elif [[ $kind == trainium || $kind == precompile ]]; then
-      # Trainium's own config: the GPU one does not fit a NeuronCore (training/memory.py)
+      # Trainium's own config: the GPU one does not fit a NeuronCore (training/perf/memory.py)
       config=$package_root/training/configs/trn-sana-600m-512.yaml
     else
       config=$package_root/training/configs/sana-600m-512.yaml

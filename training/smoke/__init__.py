@@ -4,7 +4,7 @@
 checks the cluster (Slurm partitions and node states, every node's lifecycle status file,
 FSx flock, S3 with the execution role), submits one 2-node job per accelerator partition
 (GPU all-reduce over NCCL with the EFA plugin proven from NCCL's own log; Trainium
-all-reduce with ``training.trn_smoke`` plus the Neuron version check on every node) and
+all-reduce with ``training.smoke.trn`` plus the Neuron version check on every node) and
 prints ONE table, one row per check, exiting 1 on any FAIL. Operator guide: runbooks/deploy.md.
 
 Layout: ``parse`` (pure parsers), ``checks`` (one function per check, each returning a

@@ -131,7 +131,7 @@ def node_step(kind: str, local: bool) -> None:
         env.setdefault("NEURON_RT_ROOT_COMM_ID", f"{head}:{os.environ.get('SANA_NEURON_COMM_PORT', '46820')}")
         if local:
             env.setdefault("PJRT_DEVICE", "CPU")
-        entry = ["-m", "training.trn_smoke", "--steps", "3" if not local else "2"]
+        entry = ["-m", "training.smoke.trn", "--steps", "3" if not local else "2"]
         if local:
             entry += ["--precision", "fp32"]
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",

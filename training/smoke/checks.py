@@ -431,7 +431,7 @@ def gpu_allreduce(cfg: SmokeConfig, nodes: list[NodeState]) -> Row:
 
 def trn_rows(code: int | None, output: str, where: str, requirements: str, *, local: bool,
              single_node: bool = False) -> list[Row]:
-    """Verdicts of the Trainium job: ``training.trn_smoke``'s JSON line and the per-node
+    """Verdicts of the Trainium job: ``training.smoke.trn``'s JSON line and the per-node
     Neuron versions (``SMOKE_VERSIONS <node> {json}``) against requirements-neuron.txt
     (``single_node``: a declared one-node partition, where there is no cross-node path)."""
     rows = []
@@ -473,17 +473,17 @@ def trn_rows(code: int | None, output: str, where: str, requirements: str, *, lo
         # torchrun's LOCAL_WORLD_SIZE, as the Neuron backend's describe() reports it
         nodes = world // max(1, int(result.get("backend", {}).get("per_node", world)))
         if failed or code != 0:
-            rows.append(Row("trn-allreduce", FAIL, f"training.trn_smoke checks failed: {', '.join(failed) or 'exit ' + str(code)} "
+            rows.append(Row("trn-allreduce", FAIL, f"training.smoke.trn checks failed: {', '.join(failed) or 'exit ' + str(code)} "
                             f"(world {world}); see {where}"))
         elif not local and not neuron:
-            rows.append(Row("trn-allreduce", FAIL, "training.trn_smoke ran on PJRT CPU, not NeuronCores: "
+            rows.append(Row("trn-allreduce", FAIL, "training.smoke.trn ran on PJRT CPU, not NeuronCores: "
                             f"torch-neuronx is not importable in the Neuron env; see {where}"))
         elif not local and single_node and nodes == 1:
             rows.append(Row("trn-allreduce", PASS, f"{world} NeuronCores on 1 node (declared one-node partition); "
                             "all-reduce, identical params across ranks, no recompile after warm-up "
                             f"({result['steps']} steps); cross-node EFA NOT proven"))
         elif not local and nodes < 2:
-            rows.append(Row("trn-allreduce", FAIL, f"training.trn_smoke ran {world} ranks on {nodes} node; "
+            rows.append(Row("trn-allreduce", FAIL, f"training.smoke.trn ran {world} ranks on {nodes} node; "
                             f"the cross-node check needs 2; see {where}"))
         else:
             where_ran = "local path: PJRT CPU" if local else f"{world} NeuronCores on {nodes} nodes"

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.neuron_release import NEURON_RELEASES
+from training.backends.neuron_release import NEURON_RELEASES
 
 # --------------------------------------------------------------------------- sinfo
 
@@ -190,7 +190,7 @@ def nccl_network(log: str) -> NcclNetwork:
 # "Neuron SDK release: X.Y.Z" line of training/requirements-neuron.txt, whose pip pins are
 # that release's Python packages. The versions of each release (system packages: runtime
 # library, collectives, driver; and the pip packages) live in ONE table,
-# training/neuron_release.py NEURON_RELEASES (from the Neuron release manifest); the pins
+# training/backends/neuron_release.py NEURON_RELEASES (from the Neuron release manifest); the pins
 # test (tests/xla/test_neuron_pins.py) holds requirements-neuron.txt to the same table.
 # A release missing there makes the version check fail with a line saying to add it.
 NEURON_SYSTEM_PACKAGES: dict[str, dict[str, str]] = {
@@ -224,7 +224,7 @@ def neuron_pins(requirements: str) -> NeuronPins:
     sdk = match["v"]
     if sdk not in NEURON_SYSTEM_PACKAGES:
         raise ValueError(f"Neuron SDK {sdk} (training/requirements-neuron.txt) has no system package "
-                         "versions in training/neuron_release.py NEURON_RELEASES; add that "
+                         "versions in training/backends/neuron_release.py NEURON_RELEASES; add that "
                          "release's Trn1 packages from the Neuron Release Content page")
     packages = dict(NEURON_SYSTEM_PACKAGES[sdk])
     wanted = {_norm(n) for n in NEURON_PIP_PACKAGES}

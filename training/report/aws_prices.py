@@ -41,8 +41,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from training.decision.prices import DEFAULT_PRICES, Price, PriceTable, merged
 from training.errors import UserError, exits_cleanly
+from training.report.prices import DEFAULT_PRICES, Price, PriceTable, merged
 
 #: the Price List API's home endpoint (it also answers in eu-central-1 and ap-south-1)
 ENDPOINT_REGION = "us-east-1"
@@ -309,15 +309,14 @@ def _from_api(region: str, wanted: set[str], *, client: Any, client_factory: Cal
 
 @exits_cleanly
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m training.decision.aws_prices [--region R]``: the one-command check, on a machine with
+    """``python -m training.report.aws_prices [--region R]``: the one-command check, on a machine with
     AWS credentials, that the filters above find HyperPod and EC2 prices in the live API. Prints one
     line per accelerator instance type; exit 0 when the HyperPod filter found prices, 1 when it found
     none (the offer file no longer matches these filters), 2 when the API cannot be asked."""
     import argparse
 
-    from training import flops
-
-    p = argparse.ArgumentParser(prog="python -m training.decision.aws_prices", description="check the Price List API filters against the live API (needs AWS credentials)")
+    from training.perf import flops
+    p = argparse.ArgumentParser(prog="python -m training.report.aws_prices", description="check the Price List API filters against the live API (needs AWS credentials)")
     p.add_argument("--region", default="us-east-1", help="region to price (default %(default)s)")
     p.add_argument("--cache", help=f"where to keep the fetch (default {default_cache('REGION')})")
     args = p.parse_args(argv)

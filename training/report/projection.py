@@ -3,7 +3,7 @@ and instance type as a function of MFU, the GPU/Trainium break-even, budget answ
 measured bench runs placed on the same curves.
 
 Why a projection: no accelerator has to be benchmarked to frame the decision. What is known
-is the FLOP model per preset (``training/flops.py``), each accelerator's dense peak (the same
+is the FLOP model per preset (``training/perf/flops.py``), each accelerator's dense peak (the same
 file, with its datasheet), and list prices (``training/prices.yaml``); what is not known is
 the MFU each platform reaches on Sana. So every figure here is a function of MFU, shown over a
 range, and the assumptions (MFU band, scaling efficiency per node count, price date) are
@@ -25,7 +25,7 @@ Formulas (tests/report/test_projection.py checks them by hand):
 
 MFU here counts useful FLOPs: with a mean real caption length the text terms count real
 tokens only (``flops.train_flops_per_sample(..., real_text_tokens=...)``); without one, every
-padded token counts, which is what ``training.bench`` writes into its JSON today. A measured
+padded token counts, which is what ``training.perf.bench`` writes into its JSON today. A measured
 run is placed at the MFU its own samples/s gives under the chart's FLOP count, so with the same
 count it sits exactly at its JSON ``mfu``.
 """
@@ -41,19 +41,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from training import flops
-from training.decision import mfu_evidence
 from training.errors import UserError
+from training.perf import flops
+from training.report import mfu_evidence
 
 #: Presets projected by default (the real Sana sizes; "tiny" is for tests only).
 DEFAULT_PRESETS = ("sana-600m-512", "sana-1600m-1024")
-#: precompute's default max_text_tokens (training/precompute.py PrecomputeConfig), Sana's 300
+#: precompute's default max_text_tokens (training/data/precompute.py PrecomputeConfig), Sana's 300
 DEFAULT_TEXT_TOKENS = 300
 #: the pair the break-even headline compares (p5 vs trn1, the issue's question)
 DEFAULT_GPU = "ml.p5.48xlarge"
 DEFAULT_TRN = "ml.trn1.32xlarge"
 
-#: chart x range (MFU); the assumed bands and their evidence: training/decision/mfu_evidence.py
+#: chart x range (MFU); the assumed bands and their evidence: training/report/mfu_evidence.py
 MFU_AXIS = (0.05, 0.70)
 
 
@@ -166,7 +166,7 @@ class Workload:
 
 def workload(preset: str, assumptions: Assumptions, *, overrides: Mapping[str, Any] | None = None,
              latent_hw: Sequence[int] | None = None, text_tokens: int | None = None) -> Workload:
-    from training.model import PRESETS
+    from training.model.build import PRESETS
 
     if preset not in PRESETS:
         raise UserError(f"--preset {preset}: unknown; choose from {', '.join(sorted(PRESETS))}")
@@ -298,7 +298,7 @@ def measured_points(runs: Sequence[RunLike], w: Workload) -> tuple[list[Measured
 def chart_workload(runs: Sequence[RunLike], a: Assumptions, preset: str) -> Workload:
     """The configuration the chart draws: the first accelerator run's (so its points sit on
     the curves, with its own FLOP count scaled to real tokens), else ``preset``."""
-    from training.model import PRESETS
+    from training.model.build import PRESETS
 
     for run in runs:
         r = run.result
@@ -434,7 +434,7 @@ def make_chart(path: Path, w: Workload, plats: Sequence[Platform], a: Assumption
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper right")
-    foot = (f"Prices: {a.price_as_of}. Shaded: assumed MFU band (evidence: training/decision/mfu_evidence.py; "
+    foot = (f"Prices: {a.price_as_of}. Shaded: assumed MFU band (evidence: training/report/mfu_evidence.py; "
             "hatched: Trainium); solid = GPU, dashed = Trainium.")
     if cpu_labels:
         foot += f" CPU runs not placed (no accelerator peak): {', '.join(cpu_labels)}."
@@ -481,7 +481,7 @@ def section(runs: Sequence[RunLike], prices: Mapping[str, PriceLike], a: Assumpt
     plats = platforms(prices, a.precision)
     if not plats:
         return ["## Projection", "", "No instance type in the price table has a known accelerator layout "
-                "(training/flops.py INSTANCE_TYPES), so nothing can be projected."]
+                "(training/perf/flops.py INSTANCE_TYPES), so nothing can be projected."]
     gpu, trn = pair(plats, q)
     unverified = sorted(p.short for p in plats if not p.price_verified)
     w = chart_workload(runs, a, q.presets[0])
@@ -491,7 +491,7 @@ def section(runs: Sequence[RunLike], prices: Mapping[str, PriceLike], a: Assumpt
     bands = ([("MFU", a.typical_mfu, a.typical_source)] if a.typical_mfu == a.typical_mfu_trn else
              [("MFU, GPU", a.typical_mfu, a.typical_source), ("MFU, Trainium", a.typical_mfu_trn, a.typical_source_trn)])
     lines = ["## Projection: cost and time as a function of MFU", "",
-             "Computed from the FLOP model (`training/flops.py`), each accelerator's dense peak (datasheet cited "
+             "Computed from the FLOP model (`training/perf/flops.py`), each accelerator's dense peak (datasheet cited "
              "there) and the price table, before any accelerator has been measured. **Assumptions** (each "
              "figure below names the ones it uses):", "",
              *(f"- **{name}** {lo:.0%}-{hi:.0%}, mid {(lo + hi) / 2:.1%}: {src}." for name, (lo, hi), src in bands),

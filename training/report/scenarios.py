@@ -1,7 +1,7 @@
 """Price scenarios: the break-even MFU ratio under each price the reader might pay, so the
 report shows how much of the GPU-vs-Trainium answer is price.
 
-The cost break-even (training/projection.py) is r = (USD/h_trn / peak_trn) / (USD/h_gpu / peak_gpu):
+The cost break-even (training/report/projection.py) is r = (USD/h_trn / peak_trn) / (USD/h_gpu / peak_gpu):
 Trainium is cheaper per sample iff m_trn / m_gpu > r. It is proportional to the price ratio
 and to nothing else, so a discount equal on both sides leaves it where it is; only a price
 that differs by side moves it. Scenarios (each for the headline pair):
@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from training.decision.prices import PriceTable
 from training.errors import UserError
-from training.projection import Platform
+from training.report.prices import PriceTable
+from training.report.projection import Platform
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

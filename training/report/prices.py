@@ -1,7 +1,7 @@
 """Price tables: what an instance-hour costs, what service bills it, and where the figure came from.
 
 A table is ``training/prices.yaml`` (shipped), a user's ``--prices FILE`` of the same layout,
-or a fetch from the AWS Price List API (``training/decision/aws_prices.py``). Every figure
+or a fetch from the AWS Price List API (``training/report/aws_prices.py``). Every figure
 carries its service (``hyperpod``: the SageMaker ``ml.*`` instance price HyperPod bills;
 ``ec2``: the EC2 on-demand price, shown for comparison only), its region, the date it was
 read from its source (``checked``; empty when nobody could date it), the source itself and

@@ -3,7 +3,7 @@
 Every sample's caption is padded to ``max_text_tokens`` (300, Sana's Gemma-2 length) in
 collate, but real captions are far shorter (~80 tokens at 512 px). The padding still runs
 through the caption projection and the cross-attention k/v and scores: ~13% of the forward
-FLOPs of sana-600m-512 (training/flops.py). ``trimmed`` cuts each host batch's ``text`` /
+FLOPs of sana-600m-512 (training/perf/flops.py). ``trimmed`` cuts each host batch's ``text`` /
 ``text_mask`` to the batch's longest real caption, rounded up to one of a few lengths so
 ``torch.compile`` sees only a few shapes.
 
@@ -75,7 +75,7 @@ def trim_batch(batch: Batch, length: int) -> Batch:
 
     The cut copies are contiguous: a strided view would be pinned and copied to the GPU at
     nearly its full padded size (pinning allocates the view's whole storage span). A cut of a
-    pinned loader buffer is pinned too, so the side-stream copy (training/input_pipeline.py)
+    pinned loader buffer is pinned too, so the side-stream copy (training/data/input_pipeline.py)
     does not pin it again on the main thread.
     """
     if batch["text"].shape[1] == length:
@@ -179,7 +179,7 @@ def count_step(
     parts: Sequence[BatchTokens], flops_per_sample: FlopModel, *, patch_size: int = 1
 ) -> StepTokens:
     """Totals of one step's micro-batches under the FLOP model ``flops_per_sample``
-    (training.flops.train_flops_per_sample bound to the model: see loop._throughput_fn)."""
+    (training.perf.flops.train_flops_per_sample bound to the model: see loop._throughput_fn)."""
     total = StepTokens()
     for p in parts:
         h, w = p.latent_hw

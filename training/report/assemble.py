@@ -1,6 +1,6 @@
 """The report's decision inputs in one place: its command-line flags, the price table they
 resolve to, and the report sections they add (stale-price warning, price sources, price
-scenarios, quality parity). ``training/report.py`` calls ``add_arguments``, ``options``,
+scenarios, quality parity). ``training/report/build.py`` calls ``add_arguments``, ``options``,
 ``resolve_prices`` and ``sections``; it keeps the bench arithmetic."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from training import flops, projection
-from training.decision import aws_prices, mfu_evidence, parity, scenarios
-from training.decision.prices import DEFAULT_PRICES, PriceTable, source_rows, stale_warning
 from training.errors import UserError
+from training.perf import flops
+from training.report import aws_prices, mfu_evidence, parity, projection, scenarios
+from training.report.prices import DEFAULT_PRICES, PriceTable, source_rows, stale_warning
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "Default: training/prices.yaml")
     p.add_argument("--prices-cache", help="where --prices aws keeps its last fetch "
                                           "(default ~/.cache/sana-training/prices-aws-REGION.json)")
-    g = p.add_argument_group("decision inputs (training/decision/)")
+    g = p.add_argument_group("decision inputs (training/report/)")
     g.add_argument("--plan-discount", metavar="GPU,TRN",
                    help="Savings Plan / training plan discount per side, fractions off on-demand (price scenarios)")
     g.add_argument("--negotiated-usd", metavar="GPU,TRN",
@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for side, band in (("gpu", mfu_evidence.GPU_BAND), ("trn", mfu_evidence.TRN_BAND)):
         g.add_argument(f"--mfu-band-{side}", metavar="LO,HI",
                        help=f"assumed MFU band of the {side.upper()} side (default {band[0]:g},{band[1]:g}; "
-                            "evidence: training/decision/mfu_evidence.py)")
+                            "evidence: training/report/mfu_evidence.py)")
 
 
 def options(args: argparse.Namespace) -> DecisionOptions:

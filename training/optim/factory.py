@@ -5,7 +5,7 @@ Sana's configs (configs/sana_config/512ms/Sana_600M_img512.yaml, 1024ms/Sana_160
 ``train.optimizer``) train with ``type: CAMEWrapper``, ``lr: 1e-4``, ``betas: [0.9, 0.999,
 0.9999]``, ``eps: [1e-30, 1e-16]``, ``weight_decay: 0.0``: what every preset sets.
 Sana_1600M_img1024_AdamW.yaml is the AdamW variant, with ``weight_decay: 0.01``, ``eps: 1e-8``,
-``betas: [0.9, 0.999]``. The CAME implementation is ours (training/came.py).
+``betas: [0.9, 0.999]``. The CAME implementation is ours (training/optim/came.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class OptimConfig:
     without weight decay; the presets set Sana's CAME recipe (see the module docstring), and
     Sana's AdamW variant adds ``weight_decay: 0.01``."""
 
-    #: "adamw" (torch.optim.AdamW) or "came" (Sana's optimizer, the presets'; training/came.py)
+    #: "adamw" (torch.optim.AdamW) or "came" (Sana's optimizer, the presets'; training/optim/came.py)
     name: str = "adamw"
     #: peak learning rate (Sana 600M/1.6B: 1e-4, AdamW and CAME alike)
     lr: float = 1e-4
@@ -157,7 +157,7 @@ def optimizer_factory(cfg: OptimConfig, model: nn.Module | None = None
     def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         groups = param_groups(params, cfg, None if model is None else _unwrapped(model))
         if cfg.name == "came":
-            from training.came import CAME
+            from training.optim.came import CAME
 
             return CAME(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, clip_threshold=cfg.clip_threshold,
                         weight_decay=cfg.weight_decay)

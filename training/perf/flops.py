@@ -1,7 +1,7 @@
 """Analytic FLOP model of diffusers' ``SanaTransformer2DModel`` and accelerator peaks, for MFU.
 
 MFU = achieved model FLOP/s / peak FLOP/s. Both halves live here so the loop's logging and
-``training.bench`` report the same number.
+``training.perf.bench`` report the same number.
 
 The FLOP model counts what ``torch.utils.flop_counter.FlopCounterMode`` counts: matrix
 multiplies, convolutions and attention (2 FLOPs per multiply-accumulate). Element-wise work
@@ -34,14 +34,14 @@ For sana-600m-512 (L = 16*16, T = 300) this gives 0.316 TFLOP forward, 0.947 TFL
 training sample.
 
 Per batch (issue 17): ``batch_train_flops`` gives the useful FLOPs (real caption tokens) and
-the computed ones (the padded or trimmed caption length the step ran on, training/text_trim.py);
+the computed ones (the padded or trimmed caption length the step ran on, training/data/text_trim.py);
 the loop and bench report MFU on the first and ``mfu_padded`` on the second.
 
 ``real_text_tokens`` (keyword, default None) replaces T in the three text terms (caption
 projection, cross-attn k/v, cross-attn scores) by the mean real caption length: the useful
 FLOPs, without the caption padding the static-shape step still computes. Callers that pass
 nothing (the loop, the bench) get the padded count exactly as before; the projection
-(``training/projection.py``) passes the data's mean so its MFU counts useful work only.
+(``training/report/projection.py``) passes the data's mean so its MFU counts useful work only.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def batch_train_flops(model_kwargs: Mapping[str, Any], latent_hw: tuple[int, int
                       real_text_tokens: float | None = None) -> tuple[float, float]:
     """(useful, computed) training FLOPs per sample of one batch: ``latent_hw`` of this batch
     (buckets change it per step), ``text_tokens`` the caption length the step computes
-    (padded, or trimmed by training/text_trim.py), ``real_text_tokens`` the batch's mean real
+    (padded, or trimmed by training/data/text_trim.py), ``real_text_tokens`` the batch's mean real
     caption length (mask sum / samples; None = all real). Useful FLOPs divide into MFU
     (``mfu``), computed ones into ``mfu_padded``."""
     computed = train_flops_per_sample(model_kwargs, text_tokens, latent_hw)

@@ -1,6 +1,6 @@
 """Tiny random VAE, text encoder and tokenizer saved as local model directories, built offline.
 
-    python -m training.tiny_components OUT [--images RAW --num 24]
+    python -m training.model.tiny OUT [--images RAW --num 24]
 
 writes ``OUT/vae``, ``OUT/text_encoder`` and ``OUT/tokenizer`` (and with ``--images`` a folder
 of synthetic image + caption pairs in precompute's input layout): the models of the offline
@@ -58,7 +58,7 @@ def build_tokenizer(out_dir: str | Path):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from training.text_features import SANA_CHI, default_complex_human_instruction
+    from training.data.text_features import SANA_CHI, default_complex_human_instruction
 
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -165,7 +165,7 @@ def write_webdataset_tars(out_dir: str | Path, *, num: int, per_tar: int, size: 
 
 @exits_cleanly
 def main(argv: Sequence[str] | None = None) -> dict[str, Path]:
-    p = argparse.ArgumentParser(prog="python -m training.tiny_components", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m training.model.tiny", description=__doc__.splitlines()[0])
     p.add_argument("out", help="directory for vae/, text_encoder/ and tokenizer/")
     p.add_argument("--images", help="also write synthetic image + .txt caption pairs here (precompute's input)")
     p.add_argument("--num", type=int, default=24, help="how many pairs with --images (default 24)")

@@ -1,7 +1,7 @@
 """What the assumed MFU bands rest on: published diffusion-transformer training MFU, per platform.
 
 MFU = achieved model FLOP/s per device / the device's dense peak (989 bf16 TFLOP/s for an
-H100 SXM, training/flops.py). Published figures for diffusion transformers, converted:
+H100 SXM, training/perf/flops.py). Published figures for diffusion transformers, converted:
 
 - NVIDIA NeMo DFM performance summary (NVIDIA-NeMo/DFM docs/performance-summary.md at
   0c23efefb818bb2f289b0e3081250518defdd0d8), Wan 2.1 14B pre-training on DGX-H100, BF16:
@@ -17,7 +17,7 @@ GPU band is, so that the band itself favours neither side. Sana (0.6B/1.6B, line
 depthwise 3x3 convolutions, narrow widths) is far smaller and less matmul-dense than Wan 14B,
 which pulls its MFU down; the GPU band therefore starts below the lowest Wan figure.
 
-A measured bench run replaces the band for its instance type (training/projection.py).
+A measured bench run replaces the band for its instance type (training/report/projection.py).
 """
 
 from __future__ import annotations

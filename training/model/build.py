@@ -3,8 +3,8 @@
 The model is diffusers' ``SanaTransformer2DModel`` with its weights and config unchanged, so
 an exported checkpoint drops into ``SanaPipeline`` and both backends train the identical
 graph. Two things differ from a bare ``SanaTransformer2DModel(...)``, both as NVlabs Sana
-trains: from-scratch weights follow Sana's ``initialize_weights`` (training/init.py), and the
-linear self-attention runs its matmuls in fp32 under autocast (training/attention.py; an
+trains: from-scratch weights follow Sana's ``initialize_weights`` (training/model/init.py), and the
+linear self-attention runs its matmuls in fp32 under autocast (training/model/attention.py; an
 attention processor, which ``save_pretrained`` does not serialize).
 """
 
@@ -76,7 +76,7 @@ class ModelConfig:
     pretrained: str | None = None
     #: local cache for an s3:// ``pretrained``
     pretrained_cache: str = "~/.cache/sana-training/pretrained"
-    #: recompute block activations in backward (training/activation_checkpointing.py):
+    #: recompute block activations in backward (training/model/activation_checkpointing.py):
     #: "none"; "full" (every block: ~+33% FLOPs, least memory); "every_n" (every
     #: ``checkpoint_every_n``-th block); "selective" (every block, but matmul/attention
     #: outputs are kept: torchtitan's op-level SAC; GPU backend only)
@@ -90,7 +90,7 @@ class ModelConfig:
     #: ``fp32_attention: true``, "necessary for NAN loss"); false = diffusers' processor,
     #: whose matmuls autocast to bf16 (kept for benchmarks/bf16_numerics.py's "before")
     fp32_linear_attention: bool = True
-    #: from-scratch init: "sana" (Sana's initialize_weights, training/init.py) or "torch"
+    #: from-scratch init: "sana" (Sana's initialize_weights, training/model/init.py) or "torch"
     #: (PyTorch module defaults); ignored with ``pretrained``
     init: str = "sana"
 
@@ -101,7 +101,7 @@ class ModelConfig:
             raise ValueError("model.overrides: must be a mapping of SanaTransformer2DModel kwargs")
         if self.init not in ("sana", "torch"):
             raise ValueError(f"model.init: {self.init!r} is not one of 'sana', 'torch'")
-        from training.activation_checkpointing import MODES
+        from training.model.activation_checkpointing import MODES
 
         if self.activation_checkpointing not in MODES:
             raise ValueError(f"model.activation_checkpointing: {self.activation_checkpointing!r} is not one "
@@ -161,15 +161,15 @@ def build_model(cfg: ModelConfig, *, device: torch.device | str | None = None) -
         except TypeError as exc:
             raise UserError(f"model.overrides: {exc}; use SanaTransformer2DModel kwargs") from None
         if cfg.init == "sana" and str(device) != "meta":
-            from training.init import initialize_weights
+            from training.model.init import initialize_weights
 
             initialize_weights(model)
     if cfg.fp32_linear_attention:
-        from training.attention import use_fp32_linear_attention
+        from training.model.attention import use_fp32_linear_attention
 
         use_fp32_linear_attention(model)
     if cfg.activation_checkpointing != "none":
-        from training.activation_checkpointing import apply_activation_checkpointing
+        from training.model.activation_checkpointing import apply_activation_checkpointing
 
         apply_activation_checkpointing(model, cfg.activation_checkpointing, every_n=cfg.checkpoint_every_n)
     model.train()

@@ -200,7 +200,7 @@ class TextConditioning:
 
 def expected_conditioning(pretrained_dir: str | Path | None) -> TextConditioning:
     """What a pretrained transformer expects: its directory's ``text_conditioning.json``
-    (training.export writes it), else Sana's CHI with N=300 - what NVlabs' released weights
+    (training.checkpoint.export writes it), else Sana's CHI with N=300 - what NVlabs' released weights
     (Efficient-Large-Model/Sana_*_diffusers) were trained with (their configs above)."""
     if pretrained_dir is not None and (Path(pretrained_dir) / CONDITIONING_FILE).is_file():
         return TextConditioning.from_dict(json.loads((Path(pretrained_dir) / CONDITIONING_FILE).read_text()))

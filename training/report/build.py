@@ -1,10 +1,10 @@
 """``python -m training.report RESULT.json ... --out DIR``: the GPU vs Trainium cost-performance report.
 
-Reads bench results (``training.bench_result.BenchResult``, validated on load), prices
+Reads bench results (``training.perf.bench_result.BenchResult``, validated on load), prices
 (``training/prices.yaml``, ``--prices FILE`` or ``--prices aws``: the AWS Price List API) and
 optionally the feature index and the FSx settings, and writes ``DIR/report.md`` plus PNG
 charts. The decision inputs around the bench numbers (price sources and staleness, price
-scenarios, MFU evidence, quality parity) live in ``training/decision/``. Every number and every
+scenarios, MFU evidence, quality parity) live in ``training/report/``. Every number and every
 sentence of the recommendation is computed from those inputs; nothing is written in by
 hand, so the report can be regenerated whenever a result or a price changes.
 
@@ -17,7 +17,7 @@ Definitions (the tests check these by hand):
 - FSx need = bytes per sample x total samples/s (every sample is read once per epoch)
 - FSx provisioned (PERSISTENT_2) = storage TiB x throughput per TiB (MB/s/TiB)
 
-Every report also has the projection section (``training/projection.py``): cost and time per
+Every report also has the projection section (``training/report/projection.py``): cost and time per
 preset and instance type as a function of MFU, the GPU/Trainium break-even, budget answers,
 and the measured runs placed on the same chart. ``--project`` with no result files writes
 that section alone: the decision framed before any accelerator is benchmarked.
@@ -38,15 +38,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from training import flops, projection
-from training.bench_result import COMPARABLE_FIELDS, BenchResult
-from training.decision import assemble
-from training.decision.prices import DEFAULT_PRICES, Price, PriceTable
 from training.errors import UserError, exits_cleanly
-from training.projection import duration
+from training.perf import flops
+from training.perf.bench_result import COMPARABLE_FIELDS, BenchResult
+from training.report import assemble, projection
+from training.report.prices import DEFAULT_PRICES, Price, PriceTable
+from training.report.projection import duration
 
 REPO = Path(__file__).resolve().parents[1]
-__all__ = ["DEFAULT_PRICES", "Price", "PriceTable", "build", "main"]  # Price, PriceTable: training/decision/prices.py
+__all__ = ["DEFAULT_PRICES", "Price", "PriceTable", "build", "main"]  # Price, PriceTable: training/report/prices.py
 #: chart size in pixels (width, height): figsize x dpi, no tight bbox, so tests can check it
 CHART_PX = (960, 540)
 _DPI = 100
@@ -411,7 +411,7 @@ def render(runs: Sequence[Run], prices: PriceTable, opts: Options, charts: dict[
                 "nodes (runbooks/compare.md) to fill this section."]
 
     out += ["", "## Model FLOPs utilisation", "",
-            f"Analytic FLOP model (`training/flops.py`): {first.train_flops_per_sample / 1e12:.4g} TFLOP per "
+            f"Analytic FLOP model (`training/perf/flops.py`): {first.train_flops_per_sample / 1e12:.4g} TFLOP per "
             "training sample (forward + backward = 3x forward; real caption tokens only, `mfu_padded` in the "
             "bench JSON counts the padding too), divided by each accelerator's dense peak.", "",
             _table(["run", "accelerator", "peak TFLOP/s", "MFU", "peak source"],
@@ -558,7 +558,7 @@ def serving_lines(results: Sequence[str], table: PriceTable, sources: Sequence[s
     GPU, plus the measured serving benches given with --serving. Endpoint prices: the ``serving``
     section of the shipped table, then of each --prices FILE, then the report's own prices (a
     measured run's instance type, e.g. ``local``)."""
-    from training.decision.aws_prices import parse_source
+    from training.report.aws_prices import parse_source
     from training.serve.bench import ServeBenchResult
     from training.serve.cost import section, serving_prices
 
@@ -603,7 +603,7 @@ def parser() -> argparse.ArgumentParser:
 
 def projection_inputs(args: argparse.Namespace) -> tuple[projection.Assumptions, projection.Question]:
     """The projection's assumptions and question from the command line; UserError naming the flag."""
-    from training.model import PRESETS
+    from training.model.build import PRESETS
 
     for preset in args.preset or ():
         if preset not in PRESETS:

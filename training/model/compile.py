@@ -84,7 +84,7 @@ def compile_blocks(model: nn.Module, *, fullgraph: bool = False, backend: str = 
     blocks = list(getattr(model, "transformer_blocks", []))
     limit = max(torch._dynamo.config.recompile_limit, 8 * max(1, len(blocks)))
     torch._dynamo.config.recompile_limit = limit
-    from training.activation_checkpointing import checkpointed_forward
+    from training.model.activation_checkpointing import checkpointed_forward
 
     for block in blocks:
         # A checkpointed block compiles its checkpoint region with it (torchtitan: AC, then compile).

@@ -193,8 +193,7 @@ def adapter_parameter_count(model_kwargs: Mapping[str, Any], cfg: LoraConfig) ->
     gradients, optimizer state and EMA exist for these only). Counts the attention projections
     (to_q / to_k / to_v / to_out.0 of attn1 and attn2): r * (in + out) each (PEFT's lora_A is
     r x in, lora_B out x r, no bias). Other targets raise ValueError."""
-    from training import flops
-
+    from training.perf import flops
     if not cfg.enabled:
         return 0
     c = {**flops._SANA_DEFAULTS, **dict(model_kwargs)}
@@ -227,7 +226,7 @@ def train_flops_per_sample(
     cfg: LoraConfig,
     real_text_tokens: float | None = None,
 ) -> float:
-    """fwd + bwd FLOPs per sample of a LoRA step, from training/flops.py's forward breakdown.
+    """fwd + bwd FLOPs per sample of a LoRA step, from training/perf/flops.py's forward breakdown.
 
     Full training counts 3x the forward (grad-input + grad-weight). With a frozen base autograd
     computes no weight gradient (torch only fills ``grad`` of tensors that require it), and no
@@ -242,8 +241,7 @@ def train_flops_per_sample(
     (< 1% at 20+ blocks); recomputation is not counted, as for full training.
     tests/training/test_lora.py checks this against torch's FlopCounterMode.
     """
-    from training import flops
-
+    from training.perf import flops
     c = {**flops._SANA_DEFAULTS, **dict(model_kwargs)}
     parts = flops.forward_flops_breakdown(
         model_kwargs, text_tokens, latent_hw, real_text_tokens=real_text_tokens
@@ -306,7 +304,7 @@ def _base_model(run: Mapping[str, Any], weights: Mapping[str, torch.Tensor]) -> 
     """The frozen base the adapters were trained on: the checkpoint's own ``base_layer``
     weights when it holds them, else rebuilt as the run built it (``model.pretrained``, or
     the seeded from-scratch init ``train`` does: ``torch.manual_seed(seed)`` then build)."""
-    from training.model import ModelConfig, build_model
+    from training.model.build import ModelConfig, build_model
 
     section = dict(run["model"])
     if "activation_checkpointing" in section:  # the saved config mirrors the deprecated alias too
@@ -335,8 +333,8 @@ def export_lora(
     ``SanaPipeline.load_lora_weights(out)`` reads), plus ``out/transformer/`` with the adapter
     merged when ``merge``. Written through a temp dir; returns ``out``."""
     from training.checkpoint import MANIFEST, STATE_FILE
-    from training.export import DTYPES
-    from training.text_features import CONDITIONING_FILE, TextConditioning
+    from training.data.text_features import CONDITIONING_FILE, TextConditioning
+    from training.model.dtypes import DTYPES
 
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"--out: {out} exists and is not empty; choose a new directory or pass --overwrite")

@@ -27,7 +27,7 @@ not a handicap of the baseline:
 - forward under ``torch.autocast(bf16)`` for bf16-mixed; ``loss.backward()``,
   ``clip_grad_norm_`` on all parameters, ``optimizer.step()``, ``optimizer.zero_grad()``;
 - ``torch.optim.AdamW(fused=True)`` where the parameters' device has the fused kernel
-  (training/optim.py ``fused_supported``), else torch's default;
+  (training/optim/factory.py ``fused_supported``), else torch's default;
 - batches arrive from pinned host memory (``compare`` pins them once) and are copied with
   ``non_blocking=True``;
 - captions at the full padded length (the script encodes every prompt to
@@ -86,7 +86,7 @@ class ReferenceStep:
     ) -> None:
         from diffusers import FlowMatchEulerDiscreteScheduler, SanaTransformer2DModel
 
-        from training.optim import fused_supported
+        from training.optim.factory import fused_supported
 
         self.device = device
         self.autocast = precision == "bf16-mixed"
@@ -161,7 +161,7 @@ class ReferenceStep:
         return loss.detach()
 
     def describe(self) -> str:
-        return ("diffusers-style step (training/reference_step.py): fp32 model, whole-model DDP, bf16 autocast, "
+        return ("diffusers-style step (training/perf/reference_step.py): fp32 model, whole-model DDP, bf16 autocast, "
                 f"AdamW ({'fused' if self.fused else 'default'}), "
                 f"{'per-block compile (diffusers regional compilation)' if self.compiled else 'eager'}, "
                 "no per-sample host syncs, pinned batches, padded captions")
@@ -182,7 +182,7 @@ class Comparison:
     final_loss_reference: float
     update_ours: float  # L2 norm of the change of a sample of the weights (proof that it trained)
     update_reference: float
-    tokens: Any  # training.text_trim.StepTokens over our timed steps (rank 0)
+    tokens: Any  # training.data.text_trim.StepTokens over our timed steps (rank 0)
     reference_tokens: Any  # the same for the reference's (untrimmed) batches
     reference_description: str = ""  # ReferenceStep.describe()
     compiled: bool = False  # both sides compiled (ours per gpu.compile, the reference with it)
@@ -217,13 +217,13 @@ def compare(
     import itertools
     import time
 
-    from training.bench import drain
     from training.data import FeatureLoader
+    from training.data.text_trim import StepTokens, TokenMeter, trimmed
     from training.loop import _throughput_fn, train_step
-    from training.model import build_model
+    from training.model.build import build_model
     from training.objective import RectifiedFlow
-    from training.optim import build_scheduler, optimizer_factory
-    from training.text_trim import StepTokens, TokenMeter, trimmed
+    from training.optim.factory import build_scheduler, optimizer_factory
+    from training.perf.timing import drain
 
     if cfg.optim.grad_accum_steps != 1:
         raise UserError(

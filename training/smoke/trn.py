@@ -2,8 +2,8 @@
 
 Run on trn nodes, one process per NeuronCore, e.g. from an allocation on the ``trn`` partition::
 
-    torchrun --nproc_per_node=32 -m training.trn_smoke --steps 5
-    torchrun --nproc_per_node=32 -m training.trn_smoke --steps 5 --zero1
+    torchrun --nproc_per_node=32 -m training.smoke.trn --steps 5
+    torchrun --nproc_per_node=32 -m training.smoke.trn --steps 5 --zero1
 
 Every rank trains the same model from the same seed on DIFFERENT data (a rank-dependent
 batch), through the shared loop's ``train_step`` and the real objective. If the gradient
@@ -24,7 +24,7 @@ non-vacuity control:
    replicas running different programs; tests/xla/test_same_graph.py proves it on PJRT CPU).
 
 Prints one JSON line on rank 0 and exits 1 if any check fails. Also runs on one process
-(``python -m training.trn_smoke``), where checks 1-3 are trivially true: useful only to see
+(``python -m training.smoke.trn``), where checks 1-3 are trivially true: useful only to see
 the script work.
 """
 
@@ -40,9 +40,9 @@ from training.errors import exits_cleanly
 
 
 def _args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m training.trn_smoke", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.smoke.trn", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5, help="optimizer steps to train (>= 2)")
-    p.add_argument("--preset", default="tiny", help="model preset (training/model.py PRESETS)")
+    p.add_argument("--preset", default="tiny", help="model preset (training/model/build.py PRESETS)")
     p.add_argument("--precision", default="bf16-mixed", choices=("fp32", "bf16-mixed", "bf16"))
     p.add_argument("--zero1", action="store_true", help="shard AdamW state with ZeRO-1")
     p.add_argument("--batch-size", type=int, default=2, help="samples per rank per step")
@@ -103,9 +103,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from training.backends.neuron import NeuronBackend
     from training.backends.neuron_config import NeuronConfig
     from training.loop import train_step
-    from training.model import ModelConfig, build_model
+    from training.model.build import ModelConfig, build_model
     from training.objective import ObjectiveConfig, RectifiedFlow
-    from training.optim import OptimConfig, build_scheduler, optimizer_factory
+    from training.optim.factory import OptimConfig, build_scheduler, optimizer_factory
 
     backend = NeuronBackend(NeuronConfig(zero1=args.zero1), precision=args.precision)
     backend.init()

@@ -3,7 +3,7 @@
 A cheaper platform is only the answer if it trains what the other one trains. Given the run
 directories of the same recipe on both platforms (each with the loop's ``metrics.jsonl``,
 training/metrics.py, and validation grids ``validation/step-XXXXXXXX.png``,
-training/validation.py), this overlays the loss curves against samples seen, states the gap
+training/evaluation/validation.py), this overlays the loss curves against samples seen, states the gap
 over the last N logged steps of each (within the samples range both runs cover) against the
 noise of those steps, shows the two validation grids of the latest step both have side by
 side, and flags a run that diverges.

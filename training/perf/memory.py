@@ -2,7 +2,7 @@
 per GPU by mesh (ddp/fsdp/hsdp) and activation-checkpointing mode (the GPU section below:
 ``estimate_gpu``, ``check_gpu_config``, ``gpu_memory_table`` for ``bench --memory-table``).
 
-A NeuronCore-v2 (trn1/trn1n) has 16 GiB of HBM (training/flops.py ACCELERATORS). neuronx-cc
+A NeuronCore-v2 (trn1/trn1n) has 16 GiB of HBM (training/perf/flops.py ACCELERATORS). neuronx-cc
 only finds out after minutes of compiling ("Estimated peak HBM usage exceeds 16GB",
 awsdocs-neuron neuronx-cc error codes / troubleshooting), so a config that cannot fit is
 refused here first, naming the knob that makes it fit.
@@ -12,7 +12,7 @@ The estimate, per rank, for P parameters, N data-parallel ranks, micro-batch B:
   weights      P * w           w = 4 (fp32, bf16-mixed: fp32 master weights) or 2 (bf16)
   gradients    P * w           same dtype as the weights
   optimizer    AdamW: 2 moments in the weight dtype (P * 2w); CAME (Sana's optimizer,
-               training/came.py): its state in fp32 whatever the weights' dtype, the first
+               training/optim/came.py): its state in fp32 whatever the weights' dtype, the first
                moment (P) plus, per weight it factors, 2 x (rows + columns) statistics,
                and the full second moment of the rest (biases, 3x3 depthwise convs):
                counted exactly from the parameter shapes (``optimizer_state_elements``).
@@ -25,7 +25,7 @@ The estimate, per rank, for P parameters, N data-parallel ranks, micro-batch B:
                gradients is cast to fp32 first, one ``trainium.zero1_bucket_mb`` bucket
                counted with the gradients (XLA schedules the casts bucket by bucket: the
                compiler, not this estimate, has the last word)
-  EMA          P * 4 when ema.decay > 0 (fp32 shadow on the device, training/ema.py)
+  EMA          P * 4 when ema.decay > 0 (fp32 shadow on the device, training/optim/ema.py)
   activations  measured, not modelled: the bytes autograd keeps for backward, counted with
                ``torch.autograd.graph.saved_tensors_hooks`` on a meta-device model of the
                same widths (no memory, no compute), deduplicated by storage. Two forwards
@@ -145,11 +145,11 @@ def measure_activations(model_kwargs: Mapping[str, Any], *, text_tokens: int, bf
 def optimizer_state_elements(shapes: Sequence[tuple[int, ...]], name: str) -> tuple[int, int]:
     """(elements sharded by rows, elements whole on every rank) of optimizer ``name``'s state
     for parameters of ``shapes`` (``step`` scalars left out). AdamW: two moments per
-    element; CAME: training/came.py ``_init_state`` (factored weights keep row and column
+    element; CAME: training/optim/came.py ``_init_state`` (factored weights keep row and column
     statistics, the column ones whole under ZeRO-1 / FSDP)."""
     import torch
 
-    from training.came import _factored_dims
+    from training.optim.came import _factored_dims
 
     if name != "came":
         return 2 * sum(math.prod(s) for s in shapes), 0
@@ -167,8 +167,8 @@ def optimizer_state_elements(shapes: Sequence[tuple[int, ...]], name: str) -> tu
 def trainable_shapes(cfg: Any) -> list[tuple[int, ...]]:
     """Shapes of the parameters that train: the whole transformer, or its LoRA adapters."""
     if getattr(getattr(cfg, "lora", None), "enabled", False):
-        from training.lora import apply_lora
-        from training.model import build_model
+        from training.model.build import build_model
+        from training.model.lora import apply_lora
 
         model = build_model(dataclasses.replace(cfg.model, pretrained=None, init="torch"), device="meta")
         apply_lora(model, cfg.lora)
@@ -203,7 +203,7 @@ def estimate(cfg: Any, *, world_size: int, text_tokens: int = DEFAULT_TEXT_TOKEN
     w = 2 if bf16 else 4
     zero1 = bool(cfg.trainium.zero1)
     n = max(1, int(world_size))
-    # LoRA (training/lora.py): gradients, optimizer state and EMA exist for the adapters only
+    # LoRA (training/model/lora.py): gradients, optimizer state and EMA exist for the adapters only
     shapes = trainable_shapes(cfg)
     trainable = sum(math.prod(s) for s in shapes)
     name = getattr(cfg.optim, "name", "adamw")
@@ -280,7 +280,7 @@ def neuron_core_memory(instance_type: str | None = None) -> tuple[str, float]:
     """(name, GiB) of what one Trainium rank drives: from ``instance_type`` ("ml.trn2.48xlarge",
     "trn1.32xlarge") or, without one, this host's DMI product name (NeuronCore-v2 elsewhere)."""
     from training.backends.neuron import neuron_accelerator
-    from training.flops import ACCELERATORS
+    from training.perf.flops import ACCELERATORS
 
     product = instance_type.removeprefix("ml.") if instance_type and instance_type != "local" else None
     name = neuron_accelerator(product)
@@ -325,7 +325,7 @@ def check_trainium_config(cfg: Any, *, world_size: int, instance_type: str | Non
 #               bf16 copies autocast makes are counted where they are saved. From 1- and
 #               2-block forwards: per-block cost a, the rest b; block input h (the fp32
 #               residual stream [L, D]); s = the outputs selective checkpointing keeps per
-#               block (training/activation_checkpointing.py SAC_SAVE_OPS, counted by a
+#               block (training/model/activation_checkpointing.py SAC_SAVE_OPS, counted by a
 #               dispatch mode). Per sample, with k checkpointed blocks of L:
 #                 none        b + L a
 #                 full        b + L h + a          (one block recomputed at a time)
@@ -372,8 +372,8 @@ def _fake_saved_bytes(model_kwargs: Mapping[str, Any], layers: int, text_tokens:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from training.activation_checkpointing import SAC_SAVE_OPS
-    from training.attention import use_fp32_linear_attention
+    from training.model.activation_checkpointing import SAC_SAVE_OPS
+    from training.model.attention import use_fp32_linear_attention
 
     save_ops = frozenset(o.default for o in SAC_SAVE_OPS if hasattr(o, "default"))
 
@@ -489,7 +489,7 @@ def _ac_of(cfg: Any) -> tuple[str, int]:
 def estimate_gpu(cfg: Any, *, world_size: int, mesh: str | None = None, ac: str | None = None,
                  text_tokens: int = DEFAULT_TEXT_TOKENS, shard_group_size: int | None = None) -> GpuMemoryEstimate:
     """Per-GPU memory of TrainConfig ``cfg`` on ``world_size`` ranks (mesh / ac default to the config's)."""
-    from training.activation_checkpointing import checkpointed_blocks
+    from training.model.activation_checkpointing import checkpointed_blocks
 
     kw = cfg.model.model_kwargs()
     mesh = mesh or _mesh_of(cfg)
@@ -510,7 +510,7 @@ def estimate_gpu(cfg: Any, *, world_size: int, mesh: str | None = None, ac: str 
     weights = params * 4 // shard + gathered
     # DDP: the buckets are the gradients (gradient_as_bucket_view); FSDP: shards + gathered units
     grads = params * 4 if mesh == "ddp" else params * 4 // shard + _GATHERED_BLOCKS * block * 4
-    # LoRA (training/lora.py): gradients, optimizer state and EMA exist for the adapters only
+    # LoRA (training/model/lora.py): gradients, optimizer state and EMA exist for the adapters only
     shapes = trainable_shapes(cfg)
     trainable = sum(math.prod(s) for s in shapes)
     # fp32 state; under FSDP/HSDP sharded by rows (DTensor Shard(0)), CAME's column statistics whole

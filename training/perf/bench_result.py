@@ -1,4 +1,4 @@
-"""The bench result: one JSON file per ``python -m training.bench`` run, read by ``training.report``.
+"""The bench result: one JSON file per ``python -m training.bench`` run, read by ``training.report.build``.
 
 The schema is this dataclass: every field has a comment saying what it holds and in which
 unit. ``BenchResult.load`` validates a file completely (types, ranges, and the identities
@@ -39,12 +39,12 @@ class BenchResult:
     backend: str  # "gpu" | "trainium"
     device_kind: str  # "cuda" | "neuron" | "cpu" | "xla-cpu" (one of DEVICE_KINDS)
     instance_type: str  # SageMaker instance type ("ml.p5.48xlarge"), or "local" off-cluster
-    accelerator: str  # device one rank drives: a training.flops.PEAK_TFLOPS key, else its name ("cpu")
+    accelerator: str  # device one rank drives: a training.perf.flops.PEAK_TFLOPS key, else its name ("cpu")
     accelerators_per_node: int  # ranks per instance (GPUs, or NeuronCores a rank drives)
     nodes: int  # instances
     world_size: int  # ranks in total (= accelerators_per_node x nodes)
     # --- what was trained --------------------------------------------------------------------
-    model_preset: str  # training.model.PRESETS key
+    model_preset: str  # training.model.build.PRESETS key
     model_overrides: dict[str, Any]  # ModelConfig.overrides on top of the preset ({} = the preset)
     resolution_px: int  # nominal image side: latent side x 32 (DC-AE f32 latents)
     latent_hw: list[int]  # latent [H, W] the model saw
@@ -66,7 +66,7 @@ class BenchResult:
     samples_per_s_per_accelerator: float  # samples_per_s_total / world_size
     samples_per_s_per_instance: float  # samples_per_s_total / nodes
     # --- efficiency ----------------------------------------------------------------------------
-    train_flops_per_sample: float  # training.flops.train_flops_per_sample (fwd + bwd = 3x fwd)
+    train_flops_per_sample: float  # training.perf.flops.train_flops_per_sample (fwd + bwd = 3x fwd)
     peak_tflops_per_accelerator: float | None  # dense peak for this precision (None: no published peak)
     peak_source: str | None  # where that peak comes from (datasheet / AWS doc URL)
     mfu: float | None  # achieved FLOP/s per accelerator / peak, in [0, 1], counting real caption tokens only
@@ -75,14 +75,14 @@ class BenchResult:
     train_flops_per_sample_computed: float | None = None  # FLOPs per sample at the caption length computed
     text_tokens_real: float | None = None  # mean real caption tokens per sample in the timed window
     text_tokens_computed: float | None = None  # mean caption length the steps ran on (text_tokens untrimmed)
-    memory_estimate: dict[str, Any] | None = None  # training/memory.py estimate per rank (GiB by component)
-    # --compare-reference: the diffusers-style step (training/reference_step.py) timed in the same run,
+    memory_estimate: dict[str, Any] | None = None  # training/perf/memory.py estimate per rank (GiB by component)
+    # --compare-reference: the diffusers-style step (training/perf/reference_step.py) timed in the same run,
     # interleaved with ours: {samples_per_s_total, samples_per_s_per_accelerator, mfu, ratio (ours / it),
     # repetitions, steps_per_repetition, seconds_ours, seconds_reference, final_loss, description}
     reference: dict[str, Any] | None = None
     peak_memory_bytes: int | None  # peak accelerator memory of rank 0 (None where not reported)
     compile_count: int | None  # graphs compiled in the whole run: XLA graphs (Trainium), dynamo graphs
-    # (GPU with gpu.compile; training/compile.py compile_stats); None where nothing compiles (GPU eager)
+    # (GPU with gpu.compile; training/model/compile.py compile_stats); None where nothing compiles (GPU eager)
     compile_seconds: float | None  # seconds spent compiling (same sources)
     compiles_in_timed_steps: int | None  # compilations inside the timed window (must be 0: a recompile)
     final_loss: float | None  # last logged loss (sanity: finite)

@@ -20,7 +20,7 @@ we keep the inference pipeline's value so a trained model is sampled with the ar
 it was trained with; in fp32 the denominator (a sum of N non-negative products) is far above
 either epsilon unless every product is zero.
 
-The processor is set on each block's ``attn1`` by ``training.model.build_model``. Processors
+The processor is set on each block's ``attn1`` by ``training.model.build.build_model``. Processors
 are not serialized by ``save_pretrained`` (only config.json + weights), so an exported
 directory loads in plain diffusers with its stock processor: same weights, same math in
 fp32 inference.

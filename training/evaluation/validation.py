@@ -203,7 +203,7 @@ class Validation:
         from training.data import VALIDATION_PROMPTS
 
         self.cfg, self.backend, self.metrics, self.flow_shift = cfg, backend, metrics, flow_shift
-        #: a LoRA run's adapters (training/lora.py LoraConfig): the render copy gets the same ones,
+        #: a LoRA run's adapters (training/model/lora.py LoraConfig): the render copy gets the same ones,
         #: so the gathered weights (PEFT names: ``...to_q.base_layer.weight``, ``...lora_A.default
         #: .weight``) load strictly and the copy computes what the trained model computes
         self.lora = lora if lora is not None and lora.enabled else None
@@ -246,7 +246,6 @@ class Validation:
         from diffusers import AutoencoderDC
 
         from training import s3
-
         source = self.cfg.vae or (index.raw.get("created_by") or {}).get("vae")
         if not source:
             raise UserError(f"validation.vae: data.path {index.source} does not record the VAE it was encoded "
@@ -300,7 +299,7 @@ class Validation:
             if self._transformer is None:  # its random init draws from the (restored) global RNG
                 self._transformer = SanaTransformer2DModel.from_config(self.model_config)
                 if self.lora is not None:
-                    from training.lora import apply_lora
+                    from training.model.lora import apply_lora
 
                     apply_lora(self._transformer, self.lora)
                 self._transformer.eval().requires_grad_(False)
