@@ -164,7 +164,7 @@ else
     gpu=$("$PY" -c "import torch; assert torch.cuda.is_available(); p = torch.cuda.get_device_properties(0); \
 print(f'{p.name}|{p.total_memory >> 30}')" 2>/dev/null) \
         || fail gpu "torch (CUDA build $("$PY" -c 'import torch; print(torch.version.cuda)' 2>/dev/null || echo '?')) sees no CUDA device; check nvidia-smi and the driver, or use --dry-run"
-    pass gpu "${gpu%%|*} (${gpu##*|} GiB; peak by exact name: training/perf/flops.py)"
+    pass gpu "${gpu%%|*} (${gpu##*|} GiB; peak by exact name: training/model/flops.py)"
     # --compare-reference holds two 600M models: batch 32 fits a 141 GB H200, 16 an 80 GB H100
     BATCH_600=(--set data.batch_size=32)
     if [[ ${gpu##*|} -lt 100 ]]; then BATCH_600=(--set data.batch_size=16); fi

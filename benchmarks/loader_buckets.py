@@ -25,8 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.data import INDEX, SANA_600M_512, bench, write_synthetic_features  # noqa: E402
+from training.data.bench import SANA_600M_512, bench
 from training.data.buckets import aspect_ratio_table, latent_shape  # noqa: E402
+from training.data.shards import INDEX, write_synthetic_features
 
 #: Sana 512 buckets around square, where most photos land
 RATIOS = ("0.57", "0.78", "1.0", "1.29", "1.75")

@@ -5,7 +5,7 @@
 
 The layout of ``trn-600m-512`` without ZeRO-1: every process holds every weight and moment
 on its NeuronCore (replicated) and writes 1/world of the rows of each
-(training/backends/state.py ``local_piece``). One process (PJRT_DEVICE=CPU here; the same
+(training/optim/sharding.py ``local_piece``). One process (PJRT_DEVICE=CPU here; the same
 code on a trn node) makes ``--tensors`` fp32 tensors of ``--rows`` x ``--cols`` on the XLA
 device, materialises them, and stages rank ``--rank``'s pieces with each variant in turn
 (alternating between repetitions; the staged copies are dropped before the next). Every
@@ -62,8 +62,8 @@ def _measure(args: argparse.Namespace) -> list[dict]:
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    from training.backends.state import local_piece
     from training.checkpoint.sharded import Stager
+    from training.optim.sharding import local_piece
 
     device = torch_xla.device()
     tensors = [torch.randn(args.rows, args.cols, device=device) for _ in range(args.tensors)]

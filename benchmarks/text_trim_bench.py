@@ -11,7 +11,7 @@ batch's longest caption rounds up to 128 under the default ``text_trim.lengths``
 
 Repetitions interleave (padded, trimmed) with the order flipped every repetition, so machine
 noise falls on both; it prints the medians of CPU seconds per step and their ratio, and the
-analytic FLOPs per sample (training/perf/flops.py) for the model measured and for the full 28-block
+analytic FLOPs per sample (training/model/flops.py) for the model measured and for the full 28-block
 sana-600m-512.
 """
 
@@ -24,9 +24,9 @@ import time
 import torch
 
 from training.data.text_trim import DEFAULT_LENGTHS, trimmed
+from training.model import flops
 from training.model.build import PRESETS, ModelConfig, build_model
 from training.objective import ObjectiveConfig, RectifiedFlow
-from training.perf import flops
 
 
 def main() -> None:

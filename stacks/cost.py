@@ -106,7 +106,7 @@ def instance_price(table: PriceTable, prices: dict[str, UnitPrice], instance_typ
 
 
 def serving_price(table: PriceTable, instance_type: str) -> float:
-    """The endpoint's $/hour from the price file's ``serving`` section (training/serve/cost.py's
+    """The endpoint's $/hour from the price file's ``serving`` section (training/report/serving.py's
     layout, validated by the same entry check as every price)."""
     data = yaml.safe_load(Path(table.path).read_text())
     entry = (data.get("serving") or {}).get(instance_type)

@@ -26,24 +26,25 @@ import torch
 from torch import nn
 
 from training.backends.base import Backend, Batch
-from training.checkpoint import Checkpointer, TrainState
+from training.checkpoint.checkpointer import Checkpointer, TrainState
 from training.config import TrainConfig
-from training.data import FeatureIndex, FeatureLoader
+from training.data.index import FeatureIndex
 from training.data.input_pipeline import LoaderPosition
+from training.data.loader import FeatureLoader
 from training.data.text_features import warn_if_unexpected
 from training.data.text_trim import BatchTokens, StepTokens, TokenMeter, count_step, trimmed
 from training.errors import UserError
 from training.evaluation.validation import build_validation
-from training.failure import FailureBoard, PeerWatch, finish, leave, peer_failed
+from training.failure.board import FailureBoard, PeerWatch
+from training.failure.leave import finish, leave, peer_failed
 from training.failure.preemption import StopRequest
 from training.metrics import MetricsLogger
-from training.model import lora
+from training.model import flops, lora
 from training.model.build import ModelConfig, build_model
 from training.objective import RectifiedFlow
 from training.observability import build_sinks
 from training.optim.ema import EMA
 from training.optim.factory import OptimConfig, build_scheduler, optimizer_factory
-from training.perf import flops
 from training.provenance import run_provenance
 
 log = logging.getLogger(__name__)

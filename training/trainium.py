@@ -47,7 +47,8 @@ def apply_precompile(cfg, world_size: int = 1) -> None:
     Aspect-ratio buckets are one graph each: the loader serves every bucket the run trains on
     (those with at least one global batch), one after another in the index's fixed order,
     ``precompile_steps`` optimizer steps each, so the tool sees every graph of the run."""
-    from training.data import FeatureIndex, kept_buckets
+    from training.data.index import FeatureIndex
+    from training.data.loader import kept_buckets
 
     index = FeatureIndex.load(cfg.data.path)
     accum = cfg.optim.grad_accum_steps if len(index.buckets) > 1 else 1

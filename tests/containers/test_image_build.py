@@ -32,9 +32,9 @@ import pytest
 import torch
 
 from containers.image import BuildOptions, build, deployment_hash, host_pip_settings, spec_of
-from training.checkpoint import MANIFEST, step_dir_name
 from training.checkpoint.consolidate import load_full
-from training.data import write_synthetic_features
+from training.checkpoint.layout import MANIFEST, step_dir_name
+from training.data.shards import write_synthetic_features
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = ("mmdebstrap", "buildah", "mksquashfs", "unsquashfs", "unshare", "chroot")

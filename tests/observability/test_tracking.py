@@ -16,8 +16,8 @@ from tests.conftest import REPO
 from tests.observability.servers import MlflowServer
 from tests.training.cpu_run import train_on_cpu
 from training.config import config_from_dict, load_yaml
-from training.data import write_synthetic_features
 from training.data.precompute import main as precompute
+from training.data.shards import write_synthetic_features
 from training.model.tiny import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
 from training.observability import RunIdentity, TrackingConfig
 from training.observability.tracking import MlflowTracker

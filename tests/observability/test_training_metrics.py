@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.observability.servers import prometheus, wait_query
-from training.data import write_synthetic_features
+from training.data.shards import write_synthetic_features
 
 pytestmark = pytest.mark.slow
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_JOB_USER": "researcher"}

@@ -73,7 +73,7 @@ def precompute_stage(tmp_path: Path) -> Path:
 
 
 def test_the_record_step_writes_run_json_with_the_feature_index_hash_and_the_jobs_provenance(tmp_path: Path) -> None:
-    from training.data import write_synthetic_features
+    from training.data.shards import write_synthetic_features
 
     stage_file = precompute_stage(tmp_path)
     features = stage_file.parent / "features"

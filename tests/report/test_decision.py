@@ -15,8 +15,8 @@ from bench_fixtures import make_result
 from PIL import Image
 
 from training.metrics import MetricsLogger
+from training.model import flops
 from training.model.build import PRESETS
-from training.perf import flops
 from training.report import build as report
 
 TODAY = datetime.date.today().isoformat()
@@ -90,7 +90,7 @@ def test_shipped_table_is_dated_within_12_months_cited_and_turns_stale_on_its_ow
     not in the future; estimates say so; and once a year has passed since an entry's date, a
     report built from the table warns about it (today injected, nothing else changed)."""
     from training.report.assemble import DecisionOptions
-    from training.serve.cost import serving_prices
+    from training.report.serving import serving_prices
 
     table = report.PriceTable.load(report.DEFAULT_PRICES)
     rechecked = datetime.date.fromisoformat(table.as_of[:10])

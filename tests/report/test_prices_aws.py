@@ -23,14 +23,14 @@ import pytest
 from bench_fixtures import make_result
 from botocore.stub import Stubber
 
-from training.perf import flops
+from training.model import flops
 from training.report import aws_prices
 from training.report import build as report
 from training.report.prices import DEFAULT_PRICES, PriceTable
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = PriceTable.load(DEFAULT_PRICES)
-#: what the report asks the API about: every known accelerator layout (training/perf/flops.py)
+#: what the report asks the API about: every known accelerator layout (training/model/flops.py)
 WANTED = sorted(flops.INSTANCE_TYPES)
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from bench_fixtures import make_result
 
+from training.model import flops
 from training.model.build import PRESETS
-from training.perf import flops
 from training.report import build as report
 from training.report import projection
 
@@ -242,7 +242,7 @@ def test_cpu_runs_are_labelled_and_never_move_the_recommendation(tmp_path, price
 # ----- real tokens ------------------------------------------------------------------------------------
 
 def test_real_tokens_from_the_feature_shards(tmp_path):
-    from training.data import write_synthetic_features
+    from training.data.shards import write_synthetic_features
 
     write_synthetic_features(tmp_path / "f", num_samples=20, latent_shape=(4, 8, 8), text_dim=8,
                              max_text_tokens=300, text_tokens=(7, 7), samples_per_shard=8)
@@ -256,7 +256,7 @@ def test_real_tokens_from_the_feature_shards(tmp_path):
 
 
 def test_report_reads_real_tokens_only_when_the_lengths_match(tmp_path, prices):
-    from training.data import write_synthetic_features
+    from training.data.shards import write_synthetic_features
 
     write_synthetic_features(tmp_path / "f", num_samples=8, latent_shape=(4, 8, 8), text_dim=8,
                              max_text_tokens=16, text_tokens=(4, 4))

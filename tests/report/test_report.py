@@ -64,7 +64,7 @@ def test_report_from_real_cpu_runs_matches_hand_computation(demo_comparison, tin
                                                                     "xla-cpu (xla-CPU)"))
     assert f"{(costs[dear] - costs[cheap]) / costs[dear]:.1%} less" in rec
     # capacity: bytes/sample of the index x total samples/s vs cdk.json 1200 GiB x 250 MB/s/TiB
-    from training.data import FeatureIndex
+    from training.data.index import FeatureIndex
 
     bps = FeatureIndex.load(tiny_features).bytes_per_sample
     assert "Provisioned: 293.0 MB/s" in md
@@ -220,13 +220,13 @@ def test_bad_prices_file_names_the_key(tmp_path, capsys):
 
 
 def test_shipped_prices_cover_every_hyperpod_instance_type_of_their_region():
-    """The shipped table prices exactly the accelerator instance types (training/perf/flops.py) that
+    """The shipped table prices exactly the accelerator instance types (training/model/flops.py) that
     HyperPod sells in its region: the AWS::SageMaker::Cluster InstanceType values cfn-lint
     derives per region from the AWS Price List (cfn-lint's update_specs_from_pricing; the
     installed cfnlint/data/schemas/extensions/aws_sagemaker_cluster/instancetype_enum.json)."""
     import cfnlint
 
-    from training.perf import flops
+    from training.model import flops
     table = report.PriceTable.load(PRICES)
     enum = json.loads((Path(cfnlint.__file__).parent / "data" / "schemas" / "extensions" / "aws_sagemaker_cluster"
                        / "instancetype_enum.json").read_text())

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from training.serve import cost
+from training.report import serving as cost
 from training.serve.bench import ServeBenchResult, main, percentile
 
 
@@ -51,9 +51,8 @@ def test_projection_formulas_by_hand():
     d, f, q, kv = 2304, 9216, 8 * 256, 4 * 256
     assert cost.text_encoder_flops(10) == pytest.approx(26 * 10 * (2 * (d * q + 2 * d * kv + q * d + 3 * d * f)
                                                                    + 4 * 10 * q))
+    from training.model import flops
     from training.model.build import PRESETS
-    from training.perf import flops
-
     parts = cost.image_flops(PRESETS["sana-1600m-1024"], 1024, 1024, 20, real_decoder=False)
     assert parts["transformer"] == pytest.approx(20 * 2 * flops.forward_flops_per_sample(
         PRESETS["sana-1600m-1024"], 300, (32, 32)))

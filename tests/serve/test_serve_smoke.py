@@ -21,7 +21,7 @@ def test_smoke_passes_every_step_on_cpu(capsys):
 
 
 def test_auto_refuses_on_a_host_that_is_not_a_neuron_instance(capsys, monkeypatch):
-    from training.perf import flops
+    from training.model import flops
     monkeypatch.setattr(flops, "host_instance_type", lambda: "ml.m5.large")
     with pytest.raises(SystemExit) as exit_:
         main([])

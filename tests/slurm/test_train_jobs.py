@@ -129,7 +129,7 @@ def shared_dir(path: Path, user: JobUser | None) -> None:
 
 @pytest.fixture(scope="module")
 def site(slurm_cluster: SlurmCluster) -> Iterator[Site]:
-    from training.data import write_synthetic_features
+    from training.data.shards import write_synthetic_features
 
     # Not tmp_path_factory: pytest's base dir is 0700, the job user could not reach it.
     root = Path(tempfile.mkdtemp(prefix="sana-site-"))

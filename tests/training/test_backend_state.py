@@ -1,4 +1,4 @@
-"""The portable, name-keyed optimizer format (training/backends/state.py) and the GPU
+"""The portable, name-keyed optimizer format (training/optim/sharding.py) and the GPU
 backend's state dicts: plain and FSDP2 produce and accept the same thing."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from training.backends.gpu import GpuBackend, GpuConfig
-from training.backends.state import from_named_optimizer_state, to_named_optimizer_state
 from training.model.build import ModelConfig, build_model
+from training.optim.sharding import from_named_optimizer_state, to_named_optimizer_state
 
 
 def _stepped(seed: int = 0, steps: int = 2):

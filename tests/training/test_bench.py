@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from training.model import flops
 from training.model.build import PRESETS
-from training.perf import bench, flops
+from training.perf import bench
 from training.perf.bench_result import BenchResult
 
 REPO = Path(__file__).resolve().parents[2]
@@ -208,8 +209,9 @@ def test_compare_reference_compiles_both_sides_and_counts_graphs(tmp_path, capsy
 def test_caption_lengths_come_from_the_stored_captions(tmp_path, capsys):
     """A feature directory's stored caption rows (read from the safetensors headers only), a
     JSON saved from them, and what synthetic features drawn from them hold."""
-    from training.data import FeatureLoader, write_synthetic_features
     from training.data import caption_lengths as cl
+    from training.data.loader import FeatureLoader
+    from training.data.shards import write_synthetic_features
 
     real = [3, 3, 7, 12, 40]  # 40 > max_text_tokens: a long caption, stored cut to 20
     write_synthetic_features(tmp_path / "real", num_samples=24, max_text_tokens=20, text_lengths=real,
@@ -233,7 +235,7 @@ def test_caption_lengths_come_from_the_stored_captions(tmp_path, capsys):
 
 def test_bench_auto_caption_lengths_use_the_config_features(tmp_path):
     from training.config import load_config
-    from training.data import write_synthetic_features
+    from training.data.shards import write_synthetic_features
 
     write_synthetic_features(tmp_path / "feats", num_samples=8, max_text_tokens=16, text_lengths=[5])
     cfg = load_config(["--config", str(REPO / "training/configs/tiny-cpu.yaml"), "--set",

@@ -12,7 +12,10 @@ import torch
 
 from tests.training.cpu_run import train_on_cpu
 from training.config import config_from_dict
-from training.data import FeatureIndex, FeatureLoader, plan_epoch, write_synthetic_features
+from training.data.buckets import plan_epoch
+from training.data.index import FeatureIndex
+from training.data.loader import FeatureLoader
+from training.data.shards import write_synthetic_features
 
 #: three buckets (tall, square, wide latents) plus one too small for a global batch of 8
 SHAPES = {"0.5": (4, 6, 12), "1.0": (4, 8, 8), "2.0": (4, 12, 6), "4.0": (4, 16, 4)}
@@ -324,7 +327,7 @@ SANA_TABLES = {"512": SANA_ASPECT_RATIO_512, "1024": SANA_ASPECT_RATIO_1024, "20
 
 @pytest.mark.parametrize("table", ["512", "1024", "2048"])
 def test_training_tables_are_sanas_40_entry_tables(table: str):
-    from training.data import aspect_ratio_table
+    from training.data.buckets import aspect_ratio_table
 
     ours = aspect_ratio_table(table)
     assert len(ours) == 40 and list(ours) == list(SANA_TABLES[table])  # same keys, same order
@@ -352,7 +355,7 @@ def test_images_go_to_sanas_training_bucket_and_every_inference_bin_is_trained(t
     )
     from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import ASPECT_RATIO_2048_BIN
 
-    from training.data import aspect_ratio_table, nearest_bucket
+    from training.data.buckets import aspect_ratio_table, nearest_bucket
 
     ours = aspect_ratio_table(table)
     bins = {"512": ASPECT_RATIO_512_BIN, "1024": ASPECT_RATIO_1024_BIN, "2048": ASPECT_RATIO_2048_BIN}[table]

@@ -20,21 +20,18 @@ from faultproxy import FaultProxy
 from safetensors.torch import load_file
 
 from training.backends.gpu import GpuBackend, GpuConfig
-from training.checkpoint import (
-    MANIFEST,
+from training.checkpoint.checkpointer import (
     CheckpointConfig,
     Checkpointer,
     TrainState,
     capture_rng,
-    find_latest,
-    list_complete,
     restore_rng,
-    sha256_file,
-    verify,
 )
 from training.checkpoint.consolidate import load_full
+from training.checkpoint.layout import MANIFEST, find_latest, list_complete, sha256_file, verify
 from training.checkpoint.mirror import S3Mirror, live_checkpoints, read_head, remote_checkpoints
-from training.data import FeatureLoader, write_synthetic_features
+from training.data.loader import FeatureLoader
+from training.data.shards import write_synthetic_features
 from training.errors import UserError
 from training.loop import train_step
 from training.model.build import ModelConfig, build_model
@@ -367,8 +364,8 @@ def test_a_rank_that_cannot_create_the_save_dir_fails_the_commit_within_a_poll(t
     filesystem). Its failure record is written (inside the temp dir, or beside it when there
     is none), so rank 0's commit fails at its next poll with rank 1's own error instead of
     waiting out the timeout; discarding the save removes the record too."""
-    from training.backends.state import Piece
     from training.checkpoint import sharded
+    from training.optim.sharding import Piece
 
     root = tmp_path / "ckpt"
     root.mkdir()

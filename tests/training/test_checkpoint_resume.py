@@ -18,10 +18,10 @@ import torch
 from faultproxy import FaultProxy
 from test_mirror import Watcher, dangling_manifests
 
-from training.checkpoint import FAULT_ENV, MANIFEST, find_latest, step_dir_name
 from training.checkpoint.consolidate import load_full
+from training.checkpoint.layout import FAULT_ENV, MANIFEST, find_latest, step_dir_name
 from training.checkpoint.mirror import remote_checkpoints
-from training.data import write_synthetic_features
+from training.data.shards import write_synthetic_features
 
 REPO = Path(__file__).resolve().parents[2]
 MAX_STEPS = 20

@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.backends.state import chunk_rows, local_piece, placement_problem, sharded_state
-from training.checkpoint import FAULT_ENV, MANIFEST, find_latest, map_data_position, step_dir_name
+from training.checkpoint.checkpointer import map_data_position
 from training.checkpoint.consolidate import load_full
+from training.checkpoint.layout import FAULT_ENV, MANIFEST, find_latest, step_dir_name
 from training.checkpoint.sharded import Stager
 from training.checkpoint.shards import ShardReader, write_shard
 from training.errors import UserError
+from training.optim.sharding import chunk_rows, local_piece, placement_problem, sharded_state
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,7 +106,7 @@ def test_zero1_shards_written_by_n_ranks_load_onto_m_ranks_exactly(tmp_path, n, 
     each load exactly the padded shard ``_shard_tensor`` would have given them. For CAME the
     row statistics are rows too and the column statistics whole (a 7x3 weight on 3 ranks has
     3-row shards and 3 columns: told apart by name, not by shape)."""
-    from training.backends.state import zero1_load_sharded_state, zero1_sharded_state
+    from training.optim.sharding import zero1_load_sharded_state, zero1_sharded_state
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 7), nn.Linear(7, 2))
@@ -198,7 +199,7 @@ def test_a_layout_the_sharded_format_cannot_store_is_refused_at_start_in_one_lin
     from torch.distributed.tensor import DTensor
 
     from training.backends.gpu import GpuBackend, GpuConfig
-    from training.checkpoint import CheckpointConfig, Checkpointer, TrainState
+    from training.checkpoint.checkpointer import CheckpointConfig, Checkpointer, TrainState
 
     Replicate, Shard, Partial, StridedShard = _placements()
     placement = {"Shard(1)": Shard(1), "_StridedShard": StridedShard(0, split_factor=2), "Partial": Partial()}[kind]
@@ -227,14 +228,14 @@ def test_a_layout_the_sharded_format_cannot_store_is_refused_at_start_in_one_lin
 
 # ----- data position ------------------------------------------------------------------------
 def _loaders(features: Path, world: int, batch: int):
-    from training.data import FeatureLoader
+    from training.data.loader import FeatureLoader
 
     return [FeatureLoader(features, batch_size=batch, rank=r, world_size=world, seed=3, prefetch=0)
             for r in range(world)]
 
 
 def test_data_position_maps_to_a_new_world_size_without_skipping_or_repeating(tmp_path):
-    from training.data import write_synthetic_features
+    from training.data.shards import write_synthetic_features
 
     write_synthetic_features(tmp_path, num_samples=40, latent_shape=(4, 8, 8), text_dim=8, max_text_tokens=8,
                              text_tokens=(1, 8))
@@ -262,7 +263,7 @@ def test_data_position_maps_to_a_new_world_size_without_skipping_or_repeating(tm
 # ----- frozen parameters --------------------------------------------------------------------
 def test_frozen_parameters_are_not_saved_and_restore_is_strict_on_the_trainable_set(tmp_path):
     from training.backends.gpu import GpuBackend, GpuConfig
-    from training.checkpoint import CheckpointConfig, Checkpointer, TrainState
+    from training.checkpoint.checkpointer import CheckpointConfig, Checkpointer, TrainState
     from training.optim.ema import EMA, EmaConfig
 
     def build(frozen: str):
@@ -321,7 +322,7 @@ def _torchrun(nproc: int, args: list[str], **extra_env: str) -> subprocess.Compl
 
 @pytest.fixture(scope="module")
 def features(tmp_path_factory) -> Path:
-    from training.data import write_synthetic_features
+    from training.data.shards import write_synthetic_features
 
     out = tmp_path_factory.mktemp("features")
     write_synthetic_features(out, num_samples=32, latent_shape=(4, 8, 8), text_dim=8, max_text_tokens=8,
@@ -440,9 +441,9 @@ def test_a_rank_failing_to_create_the_save_dir_fails_the_job_in_seconds_with_its
 def _worker(argv: list[str]) -> None:
     """Restore ``source`` under this torchrun job, dump the full state, save it to ``dest``."""
     from training.backends.gpu import GpuBackend
-    from training.checkpoint import CheckpointConfig, Checkpointer, TrainState
+    from training.checkpoint.checkpointer import CheckpointConfig, Checkpointer, TrainState
     from training.config import load_config
-    from training.data import FeatureLoader
+    from training.data.loader import FeatureLoader
     from training.model.build import build_model
     from training.optim.ema import EMA
     from training.optim.factory import build_scheduler, optimizer_factory

@@ -13,16 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from training.data import (
-    INDEX,
-    DataConfig,
-    FeatureIndex,
-    FeatureLoader,
-    ShardWriter,
-    encode_sample,
-    write_shard,
-    write_synthetic_features,
-)
+from training.data.index import FeatureIndex
+from training.data.loader import DataConfig, FeatureLoader
+from training.data.shards import INDEX, ShardWriter, encode_sample, write_shard, write_synthetic_features
 from training.errors import UserError
 
 SMALL = {"latent_shape": (4, 8, 8), "text_dim": 32, "max_text_tokens": 16, "text_tokens": (1, 16)}
@@ -111,7 +104,7 @@ def test_shuffle_is_deterministic_per_seed_and_epoch(features: Path):
 
 def test_few_mapped_shards_give_the_same_batches(features: Path, monkeypatch):
     """Only the most recently used shards stay mmapped (file descriptors); results do not change."""
-    import training.data
+    import training.data.decode
 
     def batches() -> list[torch.Tensor]:
         with FeatureLoader(features, batch_size=4, seed=4, prefetch=0) as loader:
@@ -276,7 +269,7 @@ def test_sha_mismatch_names_the_shard(features: Path, tmp_path: Path):
 
 def test_bad_tar_names_the_shard(features: Path, tmp_path: Path):
     root = copy_features(features, tmp_path / "f")
-    from training.data import _sha256
+    from training.data.shards import _sha256
 
     (root / "shard-00001.tar").write_bytes(b"this is not a tar file" * 100)
     set_index_entry(root, "shard-00001.tar", sha256=_sha256(root / "shard-00001.tar"))
@@ -345,7 +338,7 @@ def test_s3_missing_index_or_bucket_is_one_line(s3_bucket: str):
 
 # --------------------------------------------------------------------------- CLI
 def test_cli_info_and_clean_error(features: Path, tmp_path: Path, capsys):
-    from training.data import main
+    from training.data.bench import main
 
     main(["--info", str(features)])
     out = capsys.readouterr().out

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from training.data import SANA_600M_512, bench, write_synthetic_features
+from training.data.bench import SANA_600M_512, bench
+from training.data.shards import write_synthetic_features
 
 FLOOR = 500  # samples/s, one loader process (issue 4)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.data import FeatureLoader
-from training.demo import main
+from training.data.loader import FeatureLoader
+from training.demo.steps import main
 
 
 @pytest.mark.slow

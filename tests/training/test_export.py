@@ -16,7 +16,7 @@ from tests.training.cpu_run import train_on_cpu
 from training.checkpoint.consolidate import iter_full
 from training.checkpoint.export import main
 from training.config import config_from_dict, load_yaml
-from training.data import write_synthetic_features
+from training.data.shards import write_synthetic_features
 
 REPO = Path(__file__).resolve().parents[2]
 CAPTIONS = ["a red square on a white background", "a blue circle in the sky", "a green tree by a lake",

@@ -1,7 +1,7 @@
 """One rank fails after the first checkpoint: every process ends in seconds, non-zero, and the
 output says which rank failed and why (training/failure/).
 
-Real multi-process runs of ``python -m training.gpu`` (through ``training.failure.drill``) (gloo, tiny preset, a checkpoint every
+Real multi-process runs of ``python -m training.gpu`` (through ``training.smoke.drill``) (gloo, tiny preset, a checkpoint every
 step, so a background save is in flight when the failure comes), two ways:
 
 - under torchrun (``--standalone``): the single-node launcher users run;
@@ -28,10 +28,12 @@ from pathlib import Path
 import pytest
 
 from tests.training.ranks import env, launch_ranks
-from training.checkpoint import MANIFEST, find_latest, verify
-from training.data import FeatureIndex, FeatureLoader, write_synthetic_features
-from training.failure import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR
-from training.failure.drill import FAULTS_ENV
+from training.checkpoint.layout import MANIFEST, find_latest, verify
+from training.data.index import FeatureIndex
+from training.data.loader import FeatureLoader
+from training.data.shards import write_synthetic_features
+from training.failure.leave import EXIT_FAILED, EXIT_PEER_FAILED, EXIT_USER_ERROR
+from training.smoke.drill import FAULTS_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 FAIL_STEP = 3  # checkpoints at steps 1 and 2 exist (or are in flight) when it fails
@@ -132,7 +134,7 @@ def test_one_rank_failing_after_the_first_checkpoint_ends_every_rank_in_seconds(
         failed_code = EXIT_FAILED
         faults = [f"raise:{failing}:{FAIL_STEP}"]
     faults += [f"block:{r}:{FAIL_STEP}" for r in blocked]
-    worker = ["-m", "training.failure.drill", *_train_args(features, out)]  # the real entrypoint, faults added
+    worker = ["-m", "training.smoke.drill", *_train_args(features, out)]  # the real entrypoint, faults added
     monkeypatch.setenv(FAULTS_ENV, " ".join(faults))  # every rank reads it
 
     if launcher == "torchrun":

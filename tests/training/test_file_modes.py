@@ -14,8 +14,8 @@ import pytest
 from tests.training.cpu_run import train_on_cpu
 from training.checkpoint.export import main as export_main
 from training.config import config_from_dict
-from training.data import write_synthetic_features
 from training.data.precompute import main as precompute
+from training.data.shards import write_synthetic_features
 from training.model.tiny import TINY_RESOLUTION, build_tiny_components, write_image_caption_folder
 
 

@@ -1,11 +1,11 @@
-"""The analytic FLOP model (training/perf/flops.py) against torch's FlopCounterMode on real models."""
+"""The analytic FLOP model (training/model/flops.py) against torch's FlopCounterMode on real models."""
 
 from __future__ import annotations
 
 import pytest
 
+from training.model import flops
 from training.model.build import PRESETS
-from training.perf import flops
 
 # A mid-size config: every component at non-trivial width, patch 2, a few seconds on CPU.
 MID = dict(in_channels=16, out_channels=16, num_layers=2, num_attention_heads=8, attention_head_dim=32,

@@ -99,7 +99,7 @@ def test_a_missed_target_fails_the_check(tmp_path, what, overrides, failing) -> 
     assert failed and " FAIL" in failed[0], (what, proc.stdout)
     assert proc.stdout.splitlines()[-1].startswith("gpu-check: FAIL ("), proc.stdout
     if what == "unknown GPU":
-        assert "add its CUDA device name and datasheet peak to training/perf/flops.py" in failed[0]
+        assert "add its CUDA device name and datasheet peak to training/model/flops.py" in failed[0]
 
 
 # ----- preflight and the venv -------------------------------------------------------------------

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.data import write_synthetic_features
+from training.data.shards import write_synthetic_features
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("dist_worker.py")

@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 from test_loop import run, tiny_config
 
 from training.backends.gpu import GpuBackend, GpuConfig
-from training.checkpoint import step_dir_name
-from training.data import FeatureLoader, write_synthetic_features
+from training.checkpoint.layout import step_dir_name
 from training.data.input_pipeline import LoaderPosition, cast_text, read_ahead
+from training.data.loader import FeatureLoader
+from training.data.shards import write_synthetic_features
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from tests.training.cpu_run import train_on_cpu
 from training.backends.gpu import GpuBackend
 from training.checkpoint.consolidate import has_part
 from training.config import TrainConfig, config_from_dict
-from training.data import write_synthetic_features
+from training.data.shards import write_synthetic_features
 from training.errors import UserError
 from training.loop import forward_backward, train_step
 from training.model.build import ModelConfig, build_model

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tests.training.cpu_run import train_on_cpu
 from training.checkpoint.export import main as export_main
 from training.config import config_from_dict, load_yaml
-from training.data import write_synthetic_features
+from training.data.shards import write_synthetic_features
 from training.errors import UserError
 from training.model.build import ModelConfig, build_model
 from training.model.lora import (
@@ -326,7 +326,7 @@ MID = dict(
 
 def counted_lora_train_flops(kwargs: dict, text_tokens: int, hw: tuple[int, int], cfg: LoraConfig) -> float:
     """fwd+bwd FLOPs of a real LoRA-adapted SanaTransformer2DModel under FlopCounterMode, with
-    the two corrections training/perf/flops.py ``counted_train_flops_per_sample`` documents (math
+    the two corrections training/model/flops.py ``counted_train_flops_per_sample`` documents (math
     SDPA; a groups-aware convolution backward that honours output_mask)."""
     from diffusers import SanaTransformer2DModel
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -356,9 +356,8 @@ def counted_lora_train_flops(kwargs: dict, text_tokens: int, hw: tuple[int, int]
     ("kwargs", "text_tokens", "hw"), [(MID, 40, (16, 16)), ({**MID, "num_layers": 4}, 24, (32, 32))]
 )
 def test_lora_flop_model_matches_the_counter(kwargs, text_tokens, hw):
+    from training.model import flops
     from training.model.lora import train_flops_per_sample
-    from training.perf import flops
-
     cfg = LoraConfig(rank=4)
     analytic = train_flops_per_sample(kwargs, text_tokens, hw, cfg=cfg)
     counted = counted_lora_train_flops(kwargs, text_tokens, hw, cfg)
@@ -369,9 +368,8 @@ def test_lora_flop_model_matches_the_counter(kwargs, text_tokens, hw):
 
 def test_loop_counts_lora_flops(lora_run):
     """The loop's MFU numerator for a LoRA run is the LoRA FLOP model, not 3x the forward."""
+    from training.model import flops
     from training.model.lora import train_flops_per_sample
-    from training.perf import flops
-
     base, result = lora_run
     kwargs = dict(result.model.config)
     step = result.step_tokens[0]
@@ -393,7 +391,7 @@ def test_adapter_parameter_count_matches_peft(targets):
 
 
 def test_lora_merge_on_a_full_run_is_one_line(tmp_path, capsys):
-    from training.model.lora import run_config
+    from training.checkpoint.lora_export import run_config
 
     base = tmp_path
     write_synthetic_features(

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.training.test_gpu_distributed import launch
-from training.data import write_synthetic_features
+from training.data.shards import write_synthetic_features
 from training.model.build import ModelConfig, build_model
 from training.model.lora import is_adapter_key
 

@@ -12,7 +12,7 @@ import pytest
 from faultproxy import FaultProxy
 
 from training import s3 as s3lib
-from training.checkpoint import FORMAT, MANIFEST, find_latest, sha256_file, step_dir_name, verify
+from training.checkpoint.layout import FORMAT, MANIFEST, find_latest, sha256_file, step_dir_name, verify
 from training.checkpoint.mirror import S3Mirror, fetch_latest, remote_checkpoints
 
 

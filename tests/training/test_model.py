@@ -87,7 +87,8 @@ def test_gradient_checkpointing_gives_the_same_gradients() -> None:
 
 # ----- latents vs the transformer's sample_size (training/loop.py check_compatible) ----------
 def _index(tmp_path: Path, latent_shape: tuple[int, int, int], text_dim: int = 8):
-    from training.data import FeatureIndex, write_synthetic_features
+    from training.data.index import FeatureIndex
+    from training.data.shards import write_synthetic_features
 
     write_synthetic_features(tmp_path, num_samples=2, latent_shape=latent_shape, text_dim=text_dim,
                              max_text_tokens=4)

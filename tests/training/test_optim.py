@@ -11,11 +11,11 @@ from test_input_pipeline import _final as all_tensors
 from test_loop import run, tiny_config
 
 from training.backends.gpu import GpuBackend, GpuConfig
-from training.backends.state import from_named_optimizer_state, to_named_optimizer_state
-from training.data import write_synthetic_features
+from training.data.shards import write_synthetic_features
 from training.model.build import ModelConfig, build_model
 from training.optim.came import CAME
 from training.optim.factory import DEFAULT_BETAS, DEFAULT_EPS, OptimConfig, named_groups, optimizer_factory
+from training.optim.sharding import from_named_optimizer_state, to_named_optimizer_state
 
 
 def _problem(seed: int = 0) -> torch.nn.Module:

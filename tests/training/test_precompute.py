@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
-from training.data import FeatureLoader
+from training.data.loader import FeatureLoader
 from training.data.precompute import main, preprocess
 from training.data.text_features import (
     SANA_CHI,

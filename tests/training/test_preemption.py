@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.checkpoint import find_latest, step_dir_name, verify
 from training.checkpoint.consolidate import load_full
-from training.data import write_synthetic_features
+from training.checkpoint.layout import find_latest, step_dir_name, verify
+from training.data.shards import write_synthetic_features
 
 REPO = Path(__file__).resolve().parents[2]
 LOG_EVERY = 5
@@ -93,10 +93,10 @@ def test_sigterm_saves_at_the_next_logging_step_and_resume_is_bit_identical(tmp_
 
 @pytest.mark.parametrize("sig", ["sigterm", "sigusr1"])
 def test_a_signal_on_one_rank_stops_every_rank_at_the_next_step(tmp_path: Path, sig: str) -> None:
-    """Rank 1 alone gets the signal as step 4 starts (training/failure/drill.py): both ranks
+    """Rank 1 alone gets the signal as step 4 starts (training/smoke/drill.py): both ranks
     agree at the end of step 5, save step 5 and exit 128 + signal; logging is every 1000 steps."""
     from tests.training.ranks import launch_ranks
-    from training.failure.drill import FAULTS_ENV
+    from training.smoke.drill import FAULTS_ENV
 
     features = tmp_path / "features"
     write_synthetic_features(features, num_samples=24, latent_shape=(4, 8, 8), text_dim=8, max_text_tokens=8,
@@ -104,7 +104,7 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_next_step(tmp_path: Path, 
     out = tmp_path / "run"
     args = command(features, out, 100)[3:]  # the training.gpu arguments
     args[args.index(f"log_every={LOG_EVERY}")] = "log_every=1000"
-    ranks = launch_ranks(2, ["-m", "training.failure.drill", *args], **{FAULTS_ENV: f"{sig}:1:4"})
+    ranks = launch_ranks(2, ["-m", "training.smoke.drill", *args], **{FAULTS_ENV: f"{sig}:1:4"})
     signum = signal.SIGTERM if sig == "sigterm" else signal.SIGUSR1
     assert ranks.codes == {0: 128 + signum, 1: 128 + signum}, ranks.outputs
     assert f"{signal.Signals(signum).name} received: saving a checkpoint and stopping" in ranks.outputs[0]

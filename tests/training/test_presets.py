@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from training.config import config_from_dict, load_yaml
+from training.model import flops
 from training.model.build import PRESETS, ModelConfig, build_model, count_parameters
-from training.perf import flops
 
 REPO = Path(__file__).resolve().parents[2]
 SANA = {

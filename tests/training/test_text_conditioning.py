@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from tests.training.cpu_run import train_on_cpu
 from training.checkpoint.export import main as export_main
 from training.config import config_from_dict, load_yaml
-from training.data import FeatureIndex, write_synthetic_features
+from training.data.index import FeatureIndex
 from training.data.precompute import main as precompute
+from training.data.shards import write_synthetic_features
 from training.data.text_features import (
     SANA_CHI,
     TextConditioning,

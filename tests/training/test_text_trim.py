@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from tests.training.cpu_run import train_on_cpu
-from training.data import FeatureLoader, write_synthetic_features
+from training.data.loader import FeatureLoader
+from training.data.shards import write_synthetic_features
 from training.data.text_trim import BatchTokens, TextTrimConfig, TokenMeter, count_step, trim_length, trimmed
+from training.model import flops
 from training.model.build import PRESETS, ModelConfig, build_model
 from training.objective import ObjectiveConfig, RectifiedFlow
-from training.perf import flops
 
 B, C, H, N, D = 4, 4, 8, 40, 8
 LENGTHS = [8, 16, 24]

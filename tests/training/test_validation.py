@@ -24,8 +24,9 @@ from tests.training.cpu_run import train_on_cpu
 from training.backends.gpu import GpuBackend
 from training.checkpoint.consolidate import load_full
 from training.config import config_from_dict, load_yaml
-from training.data import FeatureLoader, write_synthetic_features
+from training.data.loader import FeatureLoader
 from training.data.precompute import main as precompute
+from training.data.shards import write_synthetic_features
 from training.data.text_features import SANA_CHI
 from training.errors import UserError
 from training.evaluation.validation import (

@@ -44,7 +44,7 @@ from xla_helpers import LATENT_SHAPE, MAX_TEXT_TOKENS, TEXT_DIM  # noqa: E402
 @pytest.fixture(scope="session")
 def features(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """64 synthetic samples in the real shard format, shaped for the tiny preset."""
-    from training.data import write_synthetic_features
+    from training.data.shards import write_synthetic_features
 
     out = tmp_path_factory.mktemp("features")
     write_synthetic_features(out, num_samples=64, latent_shape=LATENT_SHAPE, text_dim=TEXT_DIM,

@@ -16,7 +16,7 @@ STEPS = 10
 
 @pytest.fixture(scope="module")
 def bucket_features(tmp_path_factory):
-    from training.data import write_synthetic_features
+    from training.data.shards import write_synthetic_features
 
     out = tmp_path_factory.mktemp("bucket-features")
     write_synthetic_features(out, num_samples=48, buckets=BUCKETS, text_dim=TEXT_DIM, max_text_tokens=MAX_TEXT_TOKENS,
@@ -30,7 +30,7 @@ def test_precompile_traces_every_bucket_and_training_then_never_recompiles(bucke
     process (torch-xla's in-memory compile cache is keyed by graph hash, as the on-disk one
     neuron_parallel_compile fills), switches buckets several times and compiles no step graph."""
     from training.backends.neuron import NeuronBackend
-    from training.data import FeatureLoader
+    from training.data.loader import FeatureLoader
     from training.loop import train
     from training.trainium import main
 

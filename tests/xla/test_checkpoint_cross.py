@@ -12,8 +12,8 @@ from xla_helpers import tiny_config
 from training.backends.gpu import GpuBackend, GpuConfig
 from training.backends.neuron import NeuronBackend
 from training.backends.neuron_config import NeuronConfig
-from training.checkpoint import STATE_FILE, find_latest, verify
 from training.checkpoint.consolidate import load_full
+from training.checkpoint.layout import STATE_FILE, find_latest, verify
 from training.loop import train
 from training.model.build import ModelConfig, build_model
 from training.optim.factory import OptimConfig, optimizer_factory

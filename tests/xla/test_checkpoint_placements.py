@@ -3,7 +3,7 @@
 In torch 2.9 ``_StridedShard`` (FSDP2 + TP's right-to-left sharding) subclasses ``Shard``
 (torch/distributed/tensor/placement_types.py), so an isinstance check takes it for Shard(0)
 and would write its interleaved rows as if they were ``chunk_rows``. The check compares types
-exactly (training/backends/state.py ``placement_problem``).
+exactly (training/optim/sharding.py ``placement_problem``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from training.backends.state import placement_problem
+from training.optim.sharding import placement_problem
 
 
 def test_strided_shard_is_refused_although_it_is_a_shard_in_torch_2_9():

@@ -24,7 +24,7 @@ def test_lora_step_with_zero1_trains_only_the_adapters(features, precision):
     """fp32, and pure bf16 (bf16 weights, ZeRO-1's fp32 master shards of the adapters only)."""
     from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
-    from training.data import FeatureLoader
+    from training.data.loader import FeatureLoader
     from training.loop import train_step
     from training.model.build import ModelConfig, build_model
     from training.optim.factory import OptimConfig, build_scheduler, optimizer_factory

@@ -114,7 +114,7 @@ def test_xla_test_requirements_take_pins_from_the_neuron_file():
 
 def test_accelerator_names_match_the_flops_table():
     from training.backends.neuron import neuron_accelerator
-    from training.perf.flops import ACCELERATORS
+    from training.model.flops import ACCELERATORS
 
     assert neuron_accelerator("trn1.32xlarge", {}) == "NeuronCore-v2"
     assert neuron_accelerator("trn1n.32xlarge", {}) == "NeuronCore-v2"

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from xla_helpers import tiny_tree
 
-from training.checkpoint import list_complete
+from training.checkpoint.layout import list_complete
 from training.trainium import main
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from training.data import FeatureLoader
+from training.data.loader import FeatureLoader
 from training.objective import ObjectiveConfig, RectifiedFlow
 
 

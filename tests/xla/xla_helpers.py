@@ -85,7 +85,7 @@ def run_steps(backend, features: Path, *, steps: int, max_grad_norm: float = 1.0
     """``steps`` optimizer steps of the shared loop's ``train_step`` on ``backend`` with the
     fixed-noise objective (``optimizer``: "adamw" or "came"); returns per-step (loss, grad
     norm) and the final full CPU states."""
-    from training.data import FeatureLoader
+    from training.data.loader import FeatureLoader
     from training.loop import train_step
     from training.model.build import ModelConfig, build_model
     from training.optim.factory import OptimConfig, build_scheduler, optimizer_factory

@@ -135,7 +135,7 @@ class Backend(abc.ABC):
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Full, unsharded CPU optimizer state keyed by parameter *name* (portable across
         backends and world sizes). Collective: call on every rank. The format and helpers
-        that produce/consume it: training/backends/state.py."""
+        that produce/consume it: training/optim/sharding.py."""
 
     @abc.abstractmethod
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -144,17 +144,17 @@ class Backend(abc.ABC):
 
     def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         """This rank's rows of the trainable weights, buffers and optimizer state, nothing
-        gathered (a ``training.backends.state.ShardedState``; sharded checkpoints). Not a
+        gathered (a ``training.optim.sharding.ShardedState``; sharded checkpoints). Not a
         collective. The default covers plain, DDP and FSDP2/HSDP (DTensor) models."""
-        from training.backends.state import sharded_state
+        from training.optim.sharding import sharded_state
 
         return sharded_state(self.unwrap(model), optimizer, self.rank, self.world_size)
 
     def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, read: Any, *,
                            keys: set[str], values: Mapping[str, Any], param_groups: list[dict[str, Any]]) -> None:
         """Inverse of ``sharded_state`` under any world size: each rank reads only its rows
-        through ``read`` (training/backends/state.py ``load_sharded_state``)."""
-        from training.backends.state import load_sharded_state
+        through ``read`` (training/optim/sharding.py ``load_sharded_state``)."""
+        from training.optim.sharding import load_sharded_state
 
         load_sharded_state(self.unwrap(model), optimizer, read, keys=keys, values=values, param_groups=param_groups)
 

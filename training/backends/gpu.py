@@ -20,7 +20,7 @@ Precision modes (TrainConfig.precision):
   FSDP's bf16 ``param_dtype`` already gathers and computes in bf16), so there is nothing
   to gain from a master-weight optimizer wrapper and one line names the mode to use.
 
-State dicts leave this backend full, on CPU and name-keyed (training/backends/state.py);
+State dicts leave this backend full, on CPU and name-keyed (training/optim/sharding.py);
 they are complete on rank 0 and may be empty on other ranks (rank 0 writes checkpoints).
 Loading accepts a full state on rank 0 and anything (e.g. ``{}``) elsewhere.
 """
@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from training.backends.base import Backend, Batch
-from training.backends.state import from_named_optimizer_state, to_named_optimizer_state
 from training.errors import UserError
+from training.optim.sharding import from_named_optimizer_state, to_named_optimizer_state
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 DISTRIBUTED = ("ddp", "fsdp", "hsdp")
@@ -175,9 +175,9 @@ def _output_not_a_view(module: nn.Module, args: tuple, output: Any) -> Any:
 
 
 def accelerator_key(device_name: str, memory_bytes: int) -> str:
-    """torch's device name -> the training.perf.flops accelerator key (its MFU peak), else the name.
-    The table of names and peaks is training/perf/flops.py's (``DEVICE_NAMES``, ``ACCELERATORS``)."""
-    from training.perf.flops import accelerator_for_device
+    """torch's device name -> the training.model.flops accelerator key (its MFU peak), else the name.
+    The table of names and peaks is training/model/flops.py's (``DEVICE_NAMES``, ``ACCELERATORS``)."""
+    from training.model.flops import accelerator_for_device
 
     return accelerator_for_device(device_name, memory_bytes)
 

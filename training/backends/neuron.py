@@ -49,7 +49,7 @@ reduce-scatters the gradients in fp32 (``higher_cc_precision``), whatever the we
 a bf16 sum over 32+ ranks loses the low bits of every gradient, where Sana's GPU training
 all-reduces fp32 gradients (its AMP keeps fp32 master weights).
 
-State dicts leave this backend as the GPU backend's do (training/backends/state.py): full,
+State dicts leave this backend as the GPU backend's do (training/optim/sharding.py): full,
 CPU, name-keyed, complete on rank 0 and empty on the others; a device->host copy of every
 tensor is made on rank 0 only, between ``barrier()`` fences (``xm.save`` would make one
 CPU copy per rank and exhaust host RAM for 1.6B on 32 ranks).
@@ -72,13 +72,13 @@ from training.backends.base import Backend, Batch
 # cannot drift apart (gpu.py imports only torch, which this environment has).
 from training.backends.gpu import PRECISIONS, _cast_floats_to_bf16
 from training.backends.neuron_config import NeuronConfig
-from training.backends.state import (
+from training.errors import UserError
+from training.optim.sharding import (
     from_named_optimizer_state,
     param_names,
     to_named_optimizer_state,
     zero1_rows_of,
 )
-from training.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def neuron_status() -> tuple[bool, str]:
 
 
 def neuron_accelerator(product_name: str | None = None, env: Mapping[str, str] | None = None) -> str:
-    """What one rank drives, named as in training/perf/flops.py ACCELERATORS (for MFU).
+    """What one rank drives, named as in training/model/flops.py ACCELERATORS (for MFU).
 
     trn1/trn1n: a NeuronCore-v2. trn2: a logical NeuronCore of 2 physical v3 cores at the
     default NEURON_LOGICAL_NC_CONFIG=2 (one v3 core with 1). The instance family comes from
@@ -588,7 +588,7 @@ class NeuronBackend(Backend):
     def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
         if optimizer is not self._zero:
             return super().sharded_state(model, optimizer)
-        from training.backends.state import zero1_sharded_state
+        from training.optim.sharding import zero1_sharded_state
 
         self._flush()  # materialise the step's pending updates before the host copies
         inner = self.unwrap(model)
@@ -602,13 +602,13 @@ class NeuronBackend(Backend):
         if optimizer is not self._zero:
             # Every rank holds everything without ZeRO-1: read it all and load it the usual way
             # (``.data`` swaps, no copy traced into the next step's graph).
-            from training.backends.state import full_from_reader
+            from training.optim.sharding import full_from_reader
 
             model_sd, optim_sd = full_from_reader(read, keys, values, param_groups)
             self.load_model_state_dict(model, model_sd)
             self.load_optimizer_state_dict(model, optimizer, optim_sd)
             return
-        from training.backends.state import zero1_load_sharded_state
+        from training.optim.sharding import zero1_load_sharded_state
 
         zero = self._zero
         # Hyper-parameters from the checkpoint; the implementation keys (fused, foreach) stay this

@@ -568,7 +568,7 @@ class Checkpointer:
         """Refuse, in one line, a model whose DTensor layout the sharded format cannot store."""
         if self.cfg.format != "sharded" or not self.cfg.enabled:
             return
-        from training.backends.state import unsupported_placements
+        from training.optim.sharding import unsupported_placements
 
         shadows = getattr(ema, "shadow", None) or {}
         problems = unsupported_placements(self.backend.unwrap(model), {f"ema/{k}": v for k, v in shadows.items()})
@@ -593,7 +593,7 @@ class Checkpointer:
     def _load_sharded(self, path: Path, meta: Mapping[str, Any], *, model: nn.Module,
                       optimizer: torch.optim.Optimizer, ema: Any) -> None:
         """Each rank reads only the rows it holds (mmap'd safetensors), whatever the saving
-        world size or wrapping was (DDP, FSDP2, ZeRO-1: training/backends/state.py)."""
+        world size or wrapping was (DDP, FSDP2, ZeRO-1: training/optim/sharding.py)."""
         with ShardReader(sharded.shard_files(path)) as reader:
             keys = reader.keys()
             try:

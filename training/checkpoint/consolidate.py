@@ -57,7 +57,7 @@ def iter_full(ckpt: Path, part: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_full(ckpt: Path) -> dict[str, Any]:
     """Everything as full tensors: {"model", "ema" (None without EMA), "optimizer" (the
-    portable name-keyed format of training/backends/state.py)}. Holds it all: tests and
+    portable name-keyed format of training/optim/sharding.py)}. Holds it all: tests and
     small models only; export streams with ``iter_full``."""
     if not is_sharded(ckpt):
         ema = dict(load_file(str(ckpt / EMA_FILE))) if (ckpt / EMA_FILE).exists() else None

@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from training.checkpoint import EMA_FILE, MANIFEST, MODEL_FILE, STATE_FILE, resolve_checkpoint
+from training.checkpoint.checkpointer import resolve_checkpoint
 from training.checkpoint.consolidate import has_part, iter_full
+from training.checkpoint.layout import EMA_FILE, MANIFEST, MODEL_FILE, STATE_FILE
 from training.data.text_features import CONDITIONING_FILE, TextConditioning
 from training.errors import UserError, exits_cleanly
 from training.files import honour_umask
@@ -62,9 +63,9 @@ def export(ckpt: Path, out: Path, *, ema: bool = False, dtype: str = "fp32", ove
     """Write the diffusers directory for ``ckpt`` to ``out`` (through a temp dir). Returns ``out``."""
     from diffusers import SanaTransformer2DModel
 
-    from training.model import lora
-    if lora.is_lora_checkpoint(ckpt):  # adapter file for load_lora_weights (+ merged transformer)
-        return lora.export_lora(ckpt, out, merge=lora_merge, ema=ema, dtype=dtype, overwrite=overwrite)
+    from training.checkpoint import lora_export
+    if lora_export.is_lora_checkpoint(ckpt):  # adapter file for load_lora_weights (+ merged transformer)
+        return lora_export.export_lora(ckpt, out, merge=lora_merge, ema=ema, dtype=dtype, overwrite=overwrite)
     if lora_merge:
         raise UserError(f"--lora-merge: {ckpt} is not a LoRA run (lora.rank 0); export without --lora-merge")
     if out.exists() and any(out.iterdir()) and not overwrite:

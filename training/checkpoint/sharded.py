@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 
-from training.backends.state import Piece
 from training.checkpoint.layout import (
     FORMAT_SHARDED,
     MANIFEST,
@@ -69,6 +68,7 @@ from training.checkpoint.layout import (
     write_json,
 )
 from training.checkpoint.shards import write_shard
+from training.optim.sharding import Piece
 
 log = logging.getLogger("training.checkpoint")
 #: how long one save's background part may take on a rank (rank 0: until every rank's done

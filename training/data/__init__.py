@@ -43,31 +43,3 @@ precompute: ``raw_input`` (listing the raw pairs), ``raw_samples`` (one pair -> 
 caption, or a named skip), ``feature_settings`` (one feature set per directory),
 ``feature_output`` (the directory being written).
 """
-
-from training.data.bench import SANA_600M_512, bench, main
-from training.data.buckets import EpochPlan, aspect_ratio_table, nearest_bucket, plan_epoch, rank_slice
-from training.data.decode import MAX_MAPPED_SHARDS
-from training.data.index import SQUARE, Bucket, FeatureIndex, ShardInfo, _corrupt
-from training.data.loader import DataConfig, FeatureLoader, kept_buckets
-from training.data.shards import (
-    FORMAT,
-    INDEX,
-    NULL_CAPTION,
-    VALIDATION_PROMPTS,
-    ShardWriter,
-    _sha256,
-    bucket_runs,
-    encode_sample,
-    shard_name,
-    write_index,
-    write_shard,
-    write_synthetic_features,
-)
-
-__all__ = [
-    "FORMAT", "INDEX", "MAX_MAPPED_SHARDS", "NULL_CAPTION", "SANA_600M_512", "SQUARE", "VALIDATION_PROMPTS",
-    "Bucket", "DataConfig", "EpochPlan", "FeatureIndex", "FeatureLoader", "ShardInfo", "ShardWriter",
-    "_corrupt", "_sha256", "aspect_ratio_table", "bench", "bucket_runs", "encode_sample", "kept_buckets", "main",
-    "nearest_bucket", "plan_epoch", "rank_slice", "shard_name", "write_index", "write_shard",
-    "write_synthetic_features",
-]

@@ -62,14 +62,6 @@ from typing import Any
 import torch
 
 from training import s3
-from training.data import (
-    INDEX,
-    NULL_CAPTION,
-    SQUARE,
-    VALIDATION_PROMPTS,
-    encode_sample,
-    write_shard,
-)
 from training.data.buckets import SQUARE_MODE, TABLES, aspect_ratio_table, resample_filter
 from training.data.feature_output import PROMPTS_METADATA, Output
 from training.data.feature_settings import (
@@ -79,6 +71,7 @@ from training.data.feature_settings import (
     recorded_settings,
     refuse_mixed,
 )
+from training.data.index import SQUARE
 from training.data.raw_input import Unit, list_units, read_ref, unit_samples
 from training.data.raw_samples import (  # noqa: F401  (Skip, UNREADABLE, TOO_SMALL: this module's API)
     NO_CAPTION,
@@ -89,7 +82,14 @@ from training.data.raw_samples import (  # noqa: F401  (Skip, UNREADABLE, TOO_SM
     load_image,
     preprocess_to,
 )
-from training.data.shards import atomic_write_bytes
+from training.data.shards import (
+    INDEX,
+    NULL_CAPTION,
+    VALIDATION_PROMPTS,
+    atomic_write_bytes,
+    encode_sample,
+    write_shard,
+)
 from training.data.text_features import (
     CAPTION_TEXT,
     CHI_CHOICES,

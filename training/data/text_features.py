@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from training.errors import UserError
+
 log = logging.getLogger(__name__)
 
 #: NVlabs Sana's complex human instruction, ``text_encoder.chi_prompt`` of its training
@@ -288,3 +290,39 @@ def null_caption(tokenizer, text_encoder, *, max_tokens: int = 300) -> tuple[tor
     diffusion/utils/checkpoint.py loads it as ``y_embedder.y_embedding``)."""
     embeds, mask = encode_captions([""], tokenizer, text_encoder, max_tokens=max_tokens)
     return embeds[0].detach().cpu(), mask[0].detach().cpu().to(torch.int64)
+
+
+def export_conditioning(transformer_dir: Path) -> TextConditioning:
+    """The text conditioning an export records (training/checkpoint/export.py writes it): how its
+    prompts must be encoded, as the training captions were."""
+    path = transformer_dir / CONDITIONING_FILE
+    if not path.is_file():
+        raise UserError(f"--transformer {transformer_dir}: no {CONDITIONING_FILE} (not a training.checkpoint.export "
+                        "directory?); prompts must be encoded as the training captions were")
+    conditioning = TextConditioning.from_dict(json.loads(path.read_text()))
+    if not conditioning.known or not conditioning.max_text_tokens:
+        raise UserError(f"--transformer {transformer_dir}/{CONDITIONING_FILE}: the text conditioning is "
+                        "unknown (features from an older precompute); re-export from a run whose features "
+                        "record it")
+    return conditioning
+
+
+def recorded_component_dir(flag: str, given: str | None, recorded: dict[str, Any], what: str) -> Path:
+    """The text encoder or tokenizer directory to use: ``given``, else the one the export records."""
+    source = given or recorded.get("path")
+    if not source:
+        raise UserError(f"{flag}: not given and the export does not record the {what} its captions were "
+                        f"encoded with; pass {flag} DIR")
+    path = Path(source)
+    if not path.is_dir():
+        raise UserError(f"{flag} {path}: not a directory")
+    return path
+
+
+def check_recorded_fingerprint(flag: str, path: Path, recorded: dict[str, Any], allow: bool) -> None:
+    """Refuse (unless ``allow``) a directory whose fingerprint is not the one the captions were encoded with."""
+    want = recorded.get("fingerprint")
+    if want and dir_fingerprint(path) != want and not allow:
+        raise UserError(f"{flag} {path}: differs from the {flag[2:]} the training captions were encoded with "
+                        f"({recorded.get('path')}, fingerprint {want[:12]}); using it would condition the model "
+                        "otherwise than it was trained; pass that directory, or --allow-conditioning-mismatch")

@@ -3,7 +3,7 @@
 Every sample's caption is padded to ``max_text_tokens`` (300, Sana's Gemma-2 length) in
 collate, but real captions are far shorter (~80 tokens at 512 px). The padding still runs
 through the caption projection and the cross-attention k/v and scores: ~13% of the forward
-FLOPs of sana-600m-512 (training/perf/flops.py). ``trimmed`` cuts each host batch's ``text`` /
+FLOPs of sana-600m-512 (training/model/flops.py). ``trimmed`` cuts each host batch's ``text`` /
 ``text_mask`` to the batch's longest real caption, rounded up to one of a few lengths so
 ``torch.compile`` sees only a few shapes.
 
@@ -179,7 +179,7 @@ def count_step(
     parts: Sequence[BatchTokens], flops_per_sample: FlopModel, *, patch_size: int = 1
 ) -> StepTokens:
     """Totals of one step's micro-batches under the FLOP model ``flops_per_sample``
-    (training.perf.flops.train_flops_per_sample bound to the model: see loop._throughput_fn)."""
+    (training.model.flops.train_flops_per_sample bound to the model: see loop._throughput_fn)."""
     total = StepTokens()
     for p in parts:
         h, w = p.latent_hw

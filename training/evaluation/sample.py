@@ -33,13 +33,17 @@ def load_pipeline(transformer: Path, vae: Path, *, text_encoder: str | None = No
     from diffusers import AutoencoderDC, SanaPipeline, SanaTransformer2DModel
     from transformers import AutoTokenizer, Gemma2Model
 
-    from training.serve.export import _check_fingerprint, _component_dir, _conditioning
+    from training.data.text_features import (
+        check_recorded_fingerprint,
+        export_conditioning,
+        recorded_component_dir,
+    )
 
-    conditioning = _conditioning(transformer)
-    encoder_dir = _component_dir("--text-encoder", text_encoder, dict(conditioning.text_encoder), "text encoder")
-    tokenizer_dir = _component_dir("--tokenizer", tokenizer, dict(conditioning.tokenizer), "tokenizer")
-    _check_fingerprint("--text-encoder", encoder_dir, dict(conditioning.text_encoder), allow_conditioning_mismatch)
-    _check_fingerprint("--tokenizer", tokenizer_dir, dict(conditioning.tokenizer), allow_conditioning_mismatch)
+    conditioning = export_conditioning(transformer)
+    encoder_dir = recorded_component_dir("--text-encoder", text_encoder, dict(conditioning.text_encoder), "text encoder")
+    tokenizer_dir = recorded_component_dir("--tokenizer", tokenizer, dict(conditioning.tokenizer), "tokenizer")
+    check_recorded_fingerprint("--text-encoder", encoder_dir, dict(conditioning.text_encoder), allow_conditioning_mismatch)
+    check_recorded_fingerprint("--tokenizer", tokenizer_dir, dict(conditioning.tokenizer), allow_conditioning_mismatch)
     if not vae.is_dir():
         raise UserError(f"--vae {vae}: not a directory; give the AutoencoderDC the features were encoded with")
     try:

@@ -200,7 +200,7 @@ class Validation:
 
     def __init__(self, cfg: ValidationConfig, backend: Any, *, loader: Any, model: nn.Module, output_dir: str | Path,
                  metrics: Any, flow_shift: float, lora: Any = None) -> None:
-        from training.data import VALIDATION_PROMPTS
+        from training.data.shards import VALIDATION_PROMPTS
 
         self.cfg, self.backend, self.metrics, self.flow_shift = cfg, backend, metrics, flow_shift
         #: a LoRA run's adapters (training/model/lora.py LoraConfig): the render copy gets the same ones,

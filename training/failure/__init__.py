@@ -24,18 +24,3 @@ other workers of its node (SIGTERM, SIGKILL 30 s later: torch/distributed/elasti
 multiprocessing/api.py ``_close``), and ``srun --kill-on-bad-exit=1`` (training/slurm/launch.sh)
 ends the other nodes' tasks once that torchrun exits non-zero.
 """
-
-from training.failure.board import POLL_S, Failure, FailureBoard, PeerWatch
-from training.failure.leave import (
-    EXIT_FAILED,
-    EXIT_PEER_FAILED,
-    EXIT_USER_ERROR,
-    LAST_OUT_S,
-    PeerFailed,
-    finish,
-    leave,
-    peer_failed,
-)
-
-__all__ = ["EXIT_FAILED", "EXIT_PEER_FAILED", "EXIT_USER_ERROR", "LAST_OUT_S", "POLL_S", "Failure", "FailureBoard",
-           "PeerFailed", "PeerWatch", "finish", "leave", "peer_failed"]

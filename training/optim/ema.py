@@ -8,7 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from training.backends.state import Piece, RowReader, local_piece, read_like
+from training.optim.sharding import Piece, RowReader, local_piece, read_like
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -20,7 +20,7 @@ step). The p50/p90 come from the loop's per-step host times, which in steady sta
 the device's pace (the launch queue / XLA pipeline throttles the host).
 
 Throughput is reported per accelerator (per rank), per instance and in total; MFU uses
-``training.perf.flops`` (analytic model x samples/s per accelerator / published dense peak) on the
+``training.model.flops`` (analytic model x samples/s per accelerator / published dense peak) on the
 real caption tokens of the timed steps' batches, ``mfu_padded`` on the tokens computed
 (training/data/text_trim.py). On the GPU backend the per-GPU memory estimate (training/perf/memory.py)
 is printed and checked before anything is built. ``--compare-reference`` times our step and
@@ -50,7 +50,7 @@ from typing import Any
 
 from training.data.text_trim import StepTokens
 from training.errors import UserError, exits_cleanly
-from training.perf import flops
+from training.model import flops
 from training.perf.bench_result import BenchResult
 from training.perf.timing import drain
 
@@ -156,7 +156,7 @@ def resolve_caption_lengths(choice: str, cfg: Any) -> Any:
 
 def ensure_synthetic_features(root: Path, spec: dict[str, Any], num_samples: int, *, write: bool) -> Path:
     """A synthetic feature directory for ``spec`` under ``root`` (written once per node)."""
-    from training.data import INDEX, write_synthetic_features
+    from training.data.shards import INDEX, write_synthetic_features
 
     key = hashlib.sha256(json.dumps([spec, num_samples], sort_keys=True, default=list).encode()).hexdigest()[:12]
     path = root / f"synthetic-{key}"
@@ -251,7 +251,7 @@ def build_result(cfg: Any, backend: Any, *, seconds: float, steps: int, warmup: 
                  reference: dict[str, Any] | None = None, caption_lengths: str | None = None) -> BenchResult:
     """The result of ``steps`` timed steps (``seconds`` device-synchronised wall time) that ran
     on the batches counted in ``window``."""
-    from training.data import FeatureIndex
+    from training.data.index import FeatureIndex
 
     timed = list(step_times)
     info = backend.describe()
@@ -332,7 +332,7 @@ def build_result(cfg: Any, backend: Any, *, seconds: float, steps: int, warmup: 
 # ----- loop overhead vs a bare step (issue 4 part 8) -----------------------------------------
 
 #: the overhead check's default config: a small model whose bare fp32 CPU step takes >= 0.2 s
-OVERHEAD_CONFIG = Path(__file__).parent / "configs" / "bench-overhead-cpu.yaml"
+OVERHEAD_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "bench-overhead-cpu.yaml"
 OVERHEAD_LIMIT = 1.10
 
 
@@ -435,7 +435,7 @@ def measure_overhead(cfg: Any, *, steps: int = 10, work_dir: Path) -> OverheadRe
     import torch
 
     from training.backends.gpu import GpuBackend
-    from training.data import FeatureLoader
+    from training.data.loader import FeatureLoader
     from training.loop import train
 
     if cfg.precision != "fp32":
@@ -482,75 +482,6 @@ def measure_overhead(cfg: Any, *, steps: int = 10, work_dir: Path) -> OverheadRe
                           bare_wall_s=statistics.median(bare_wall), loop_wall_s=statistics.median(loop_wall),
                           pairs=len(loop_cpu))
 
-
-# ----- make demo: both backends on this CPU, then the report ---------------------------------
-
-#: an illustrative round price for the demo's local CPU runs, so the cost sections have numbers
-DEMO_LOCAL_USD_PER_HOUR = 1.0
-
-
-def run_demo_comparison(out_dir: str | Path, *, features: str | Path, dataset_samples: int | None = None,
-                        epochs: float = 10.0, steps: int = 10, report_args: Sequence[str] = ()) -> dict[str, Path]:
-    """Bench the GPU backend (this process, CPU) and the Trainium backend (torch-xla on PJRT CPU
-    in ``.venv-xla``, when that exists) on the tiny preset and ``features``, then write the
-    comparison report. Everything is labelled CPU figures. Returns {what: path} for the demo.
-
-    Args:
-        out_dir: where the result JSONs, the demo price file and ``report/`` go.
-        features: feature directory shaped for the tiny preset (the demo's precompute output).
-        dataset_samples / epochs: target for the time/cost section (default: the features' size).
-        report_args: more ``python -m training.report`` arguments (the demo's price and parity inputs).
-    """
-    import subprocess
-
-    from training.data import FeatureIndex
-    from training.report.build import main as report_main
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config = Path(__file__).parent / "configs" / "tiny-cpu.yaml"
-    common = ["--config", str(config), "--set", f"data.path={features}", "--set", "tensorboard=false",
-              "--set", "log_every=5", "--steps", str(steps), "--work-dir", str(out / "work"),
-              "--notes", "CPU figures from make demo (tiny preset), not accelerator figures"]
-    where: dict[str, Path] = {}
-    results = [out / "bench-gpu-cpu.json"]
-    main(["--backend", "gpu", *common, "--warmup", "2", "--out", str(results[0])])
-    where["bench result, GPU backend on CPU"] = results[0]
-    xla_python = Path(__file__).resolve().parents[1] / ".venv-xla" / "bin" / "python"
-    if xla_python.exists():
-        trn = out / "bench-trainium-xla-cpu.json"
-        env = {**os.environ, "PJRT_DEVICE": "CPU"}
-        proc = subprocess.run([str(xla_python), "-m", "training.perf.bench", "--backend", "trainium", *common,
-                               "--warmup", "2", "--out", str(trn)], env=env, text=True, capture_output=True,
-                              cwd=Path(__file__).resolve().parents[1])
-        if proc.returncode != 0:
-            raise UserError(f"bench --backend trainium (.venv-xla) failed: {proc.stderr.strip().splitlines()[-1:]}")
-        results.append(trn)
-        where["bench result, Trainium backend on XLA CPU"] = trn
-    else:
-        print("bench: .venv-xla not found (make setup-xla): the report has the GPU backend only", flush=True)
-    prices = out / "prices-demo.yaml"
-    prices.write_text(f"""# Demo only: the runs are on this machine's CPU ("local"); the price is an illustrative
-# round number so the cost sections show how they are computed. Not a real price.
-as_of: "{datetime.date.today().isoformat()}"
-currency: USD
-region: local
-prices:
-  local:
-    usd_per_hour: {DEMO_LOCAL_USD_PER_HOUR}
-    source: "illustrative round number for a local CPU machine (make demo), not a list price"
-    checked: "{datetime.date.today().isoformat()}"
-    verified: false
-""")
-    samples = dataset_samples or FeatureIndex.load(features).num_samples
-    report_main([*map(str, results), "--out", str(out / "report"), "--prices", str(prices),
-                 "--dataset-samples", str(samples), "--epochs", f"{epochs:g}", "--features-index", str(features),
-                 *report_args])
-    where["comparison report (CPU figures)"] = out / "report" / "report.md"
-    return where
-
-
-# ----- CLI ---------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m training.bench", description=__doc__.split("\n")[0])
@@ -662,7 +593,7 @@ def memory_tables(configs: Sequence[str | Path], *, world_size: int, overrides: 
 
 
 def main_memory_table(args: argparse.Namespace) -> str:
-    configs = [args.config] if args.config else sorted((Path(__file__).parent / "configs").glob(GPU_CONFIGS))
+    configs = [args.config] if args.config else sorted((Path(__file__).resolve().parents[1] / "configs").glob(GPU_CONFIGS))
     text = memory_tables(configs, world_size=args.world_size or 16, overrides=args.overrides)
     print(text, end="", flush=True)
     return text

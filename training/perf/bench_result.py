@@ -39,7 +39,7 @@ class BenchResult:
     backend: str  # "gpu" | "trainium"
     device_kind: str  # "cuda" | "neuron" | "cpu" | "xla-cpu" (one of DEVICE_KINDS)
     instance_type: str  # SageMaker instance type ("ml.p5.48xlarge"), or "local" off-cluster
-    accelerator: str  # device one rank drives: a training.perf.flops.PEAK_TFLOPS key, else its name ("cpu")
+    accelerator: str  # device one rank drives: a training.model.flops.PEAK_TFLOPS key, else its name ("cpu")
     accelerators_per_node: int  # ranks per instance (GPUs, or NeuronCores a rank drives)
     nodes: int  # instances
     world_size: int  # ranks in total (= accelerators_per_node x nodes)
@@ -66,7 +66,7 @@ class BenchResult:
     samples_per_s_per_accelerator: float  # samples_per_s_total / world_size
     samples_per_s_per_instance: float  # samples_per_s_total / nodes
     # --- efficiency ----------------------------------------------------------------------------
-    train_flops_per_sample: float  # training.perf.flops.train_flops_per_sample (fwd + bwd = 3x fwd)
+    train_flops_per_sample: float  # training.model.flops.train_flops_per_sample (fwd + bwd = 3x fwd)
     peak_tflops_per_accelerator: float | None  # dense peak for this precision (None: no published peak)
     peak_source: str | None  # where that peak comes from (datasheet / AWS doc URL)
     mfu: float | None  # achieved FLOP/s per accelerator / peak, in [0, 1], counting real caption tokens only

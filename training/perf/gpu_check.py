@@ -22,7 +22,7 @@ no graph breaks                               ``graph_breaks`` == 0 (600M, 1.6B)
 A result measured on a CPU fails every target unless ``--dry-run`` (gpu-check.sh's tiny CPU
 run) says so; there the figures a CPU cannot give (MFU, memory, the ratios and speed-up of
 a tiny model) are shown as SKIP, and the graph counts still must pass. A GPU whose name
-``training/perf/flops.py`` does not know has no peak, hence no MFU: that is a FAIL naming the fix,
+``training/model/flops.py`` does not know has no peak, hence no MFU: that is a FAIL naming the fix,
 never an assumed SXM peak.
 """
 
@@ -105,7 +105,7 @@ def evaluate(out: Path, *, dry_run: bool = False) -> list[Row]:
                         "n/a" if mfu is None else f"{mfu:.1%} (padded {compiled.mfu_padded or 0:.1%})",
                         None if mfu is None else mfu >= MFU_TARGET,
                         why=(f"no published peak for {compiled.accelerator!r}: add its CUDA device name and "
-                             "datasheet peak to training/perf/flops.py" if compiled and mfu is None else "below target")))
+                             "datasheet peak to training/model/flops.py" if compiled and mfu is None else "below target")))
     for label, result, want_compiled in (("both eager", eager, False), ("both compiled", compiled, True)):
         ref = result.reference if result else None
         if result is not None and not ref:

@@ -2,7 +2,7 @@
 per GPU by mesh (ddp/fsdp/hsdp) and activation-checkpointing mode (the GPU section below:
 ``estimate_gpu``, ``check_gpu_config``, ``gpu_memory_table`` for ``bench --memory-table``).
 
-A NeuronCore-v2 (trn1/trn1n) has 16 GiB of HBM (training/perf/flops.py ACCELERATORS). neuronx-cc
+A NeuronCore-v2 (trn1/trn1n) has 16 GiB of HBM (training/model/flops.py ACCELERATORS). neuronx-cc
 only finds out after minutes of compiling ("Estimated peak HBM usage exceeds 16GB",
 awsdocs-neuron neuronx-cc error codes / troubleshooting), so a config that cannot fit is
 refused here first, naming the knob that makes it fit.
@@ -280,7 +280,7 @@ def neuron_core_memory(instance_type: str | None = None) -> tuple[str, float]:
     """(name, GiB) of what one Trainium rank drives: from ``instance_type`` ("ml.trn2.48xlarge",
     "trn1.32xlarge") or, without one, this host's DMI product name (NeuronCore-v2 elsewhere)."""
     from training.backends.neuron import neuron_accelerator
-    from training.perf.flops import ACCELERATORS
+    from training.model.flops import ACCELERATORS
 
     product = instance_type.removeprefix("ml.") if instance_type and instance_type != "local" else None
     name = neuron_accelerator(product)

@@ -217,7 +217,7 @@ def compare(
     import itertools
     import time
 
-    from training.data import FeatureLoader
+    from training.data.loader import FeatureLoader
     from training.data.text_trim import StepTokens, TokenMeter, trimmed
     from training.loop import _throughput_fn, train_step
     from training.model.build import build_model

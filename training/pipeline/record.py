@@ -47,7 +47,7 @@ def precompute_outputs(spec: dict[str, Any], inputs: dict[str, dict[str, Any]]) 
 
 
 def _newest_checkpoint(run_dir: Path) -> Path:
-    from training.checkpoint import find_latest
+    from training.checkpoint.layout import find_latest
 
     # Presence and sizes only (the export re-hashes every file against the manifest).
     found = find_latest(run_dir / "checkpoints", full=False)

@@ -7,6 +7,6 @@
 - ``scenarios``: how much of the answer is price; ``mfu_evidence``: what the MFU band rests on
 - ``parity``: whether both platforms train the same model; ``assemble``: the sections in order
 
-Nothing here is imported by the training loop; the serving cost (training/serve/cost.py) and
+Nothing here is imported by the training loop; the serving cost (training/report/serving.py) and
 the pipeline's report stage read it.
 """

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from training.errors import UserError
-from training.perf import flops
+from training.model import flops
 from training.report import aws_prices, mfu_evidence, parity, projection, scenarios
 from training.report.prices import DEFAULT_PRICES, PriceTable, source_rows, stale_warning
 

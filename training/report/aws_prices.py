@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     none (the offer file no longer matches these filters), 2 when the API cannot be asked."""
     import argparse
 
-    from training.perf import flops
+    from training.model import flops
     p = argparse.ArgumentParser(prog="python -m training.report.aws_prices", description="check the Price List API filters against the live API (needs AWS credentials)")
     p.add_argument("--region", default="us-east-1", help="region to price (default %(default)s)")
     p.add_argument("--cache", help=f"where to keep the fetch (default {default_cache('REGION')})")

@@ -39,13 +39,13 @@ from pathlib import Path
 from typing import Any
 
 from training.errors import UserError, exits_cleanly
-from training.perf import flops
+from training.model import flops
 from training.perf.bench_result import COMPARABLE_FIELDS, BenchResult
 from training.report import assemble, projection
 from training.report.prices import DEFAULT_PRICES, Price, PriceTable
 from training.report.projection import duration
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 __all__ = ["DEFAULT_PRICES", "Price", "PriceTable", "build", "main"]  # Price, PriceTable: training/report/prices.py
 #: chart size in pixels (width, height): figsize x dpi, no tight bbox, so tests can check it
 CHART_PX = (960, 540)
@@ -411,7 +411,7 @@ def render(runs: Sequence[Run], prices: PriceTable, opts: Options, charts: dict[
                 "nodes (runbooks/compare.md) to fill this section."]
 
     out += ["", "## Model FLOPs utilisation", "",
-            f"Analytic FLOP model (`training/perf/flops.py`): {first.train_flops_per_sample / 1e12:.4g} TFLOP per "
+            f"Analytic FLOP model (`training/model/flops.py`): {first.train_flops_per_sample / 1e12:.4g} TFLOP per "
             "training sample (forward + backward = 3x forward; real caption tokens only, `mfu_padded` in the "
             "bench JSON counts the padding too), divided by each accelerator's dense peak.", "",
             _table(["run", "accelerator", "peak TFLOP/s", "MFU", "peak source"],
@@ -489,7 +489,7 @@ def fsx_from_cdk(path: Path) -> tuple[float, str] | None:
 
 
 def bytes_per_sample_from_index(source: str) -> float:
-    from training.data import FeatureIndex
+    from training.data.index import FeatureIndex
 
     src = source[: -len("/index.json")] if source.endswith("/index.json") else source
     index = FeatureIndex.load(src)
@@ -554,13 +554,13 @@ def build(result_paths: Sequence[str | Path], out: str | Path, *, prices_path: s
 
 
 def serving_lines(results: Sequence[str], table: PriceTable, sources: Sequence[str]) -> list[str]:
-    """The "Serving" section (training/serve/cost.py): projected cost per 1,000 images on inf2 vs
+    """The "Serving" section (training/report/serving.py): projected cost per 1,000 images on inf2 vs
     GPU, plus the measured serving benches given with --serving. Endpoint prices: the ``serving``
     section of the shipped table, then of each --prices FILE, then the report's own prices (a
     measured run's instance type, e.g. ``local``)."""
     from training.report.aws_prices import parse_source
+    from training.report.serving import section, serving_prices
     from training.serve.bench import ServeBenchResult
-    from training.serve.cost import section, serving_prices
 
     files = [DEFAULT_PRICES, *(s for s in sources if parse_source(s)[0] == "file")]
     prices = {**serving_prices(files), **table.prices}

@@ -1,7 +1,7 @@
 """What the assumed MFU bands rest on: published diffusion-transformer training MFU, per platform.
 
 MFU = achieved model FLOP/s per device / the device's dense peak (989 bf16 TFLOP/s for an
-H100 SXM, training/perf/flops.py). Published figures for diffusion transformers, converted:
+H100 SXM, training/model/flops.py). Published figures for diffusion transformers, converted:
 
 - NVIDIA NeMo DFM performance summary (NVIDIA-NeMo/DFM docs/performance-summary.md at
   0c23efefb818bb2f289b0e3081250518defdd0d8), Wan 2.1 14B pre-training on DGX-H100, BF16:

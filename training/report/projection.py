@@ -3,7 +3,7 @@ and instance type as a function of MFU, the GPU/Trainium break-even, budget answ
 measured bench runs placed on the same curves.
 
 Why a projection: no accelerator has to be benchmarked to frame the decision. What is known
-is the FLOP model per preset (``training/perf/flops.py``), each accelerator's dense peak (the same
+is the FLOP model per preset (``training/model/flops.py``), each accelerator's dense peak (the same
 file, with its datasheet), and list prices (``training/prices.yaml``); what is not known is
 the MFU each platform reaches on Sana. So every figure here is a function of MFU, shown over a
 range, and the assumptions (MFU band, scaling efficiency per node count, price date) are
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from training.errors import UserError
-from training.perf import flops
+from training.model import flops
 from training.report import mfu_evidence
 
 #: Presets projected by default (the real Sana sizes; "tiny" is for tests only).
@@ -233,7 +233,7 @@ def mean_real_text_tokens(features: str, *, max_samples: int = 4096) -> tuple[fl
     https://github.com/huggingface/safetensors#format): ``text`` is stored as [n_real, D],
     unpadded (training/data.py ShardWriter.add).
     """
-    from training.data import FeatureIndex
+    from training.data.index import FeatureIndex
 
     src = features[: -len("/index.json")] if features.endswith("/index.json") else features
     index = FeatureIndex.load(src)
@@ -481,7 +481,7 @@ def section(runs: Sequence[RunLike], prices: Mapping[str, PriceLike], a: Assumpt
     plats = platforms(prices, a.precision)
     if not plats:
         return ["## Projection", "", "No instance type in the price table has a known accelerator layout "
-                "(training/perf/flops.py INSTANCE_TYPES), so nothing can be projected."]
+                "(training/model/flops.py INSTANCE_TYPES), so nothing can be projected."]
     gpu, trn = pair(plats, q)
     unverified = sorted(p.short for p in plats if not p.price_verified)
     w = chart_workload(runs, a, q.presets[0])
@@ -491,7 +491,7 @@ def section(runs: Sequence[RunLike], prices: Mapping[str, PriceLike], a: Assumpt
     bands = ([("MFU", a.typical_mfu, a.typical_source)] if a.typical_mfu == a.typical_mfu_trn else
              [("MFU, GPU", a.typical_mfu, a.typical_source), ("MFU, Trainium", a.typical_mfu_trn, a.typical_source_trn)])
     lines = ["## Projection: cost and time as a function of MFU", "",
-             "Computed from the FLOP model (`training/perf/flops.py`), each accelerator's dense peak (datasheet cited "
+             "Computed from the FLOP model (`training/model/flops.py`), each accelerator's dense peak (datasheet cited "
              "there) and the price table, before any accelerator has been measured. **Assumptions** (each "
              "figure below names the ones it uses):", "",
              *(f"- **{name}** {lo:.0%}-{hi:.0%}, mid {(lo + hi) / 2:.1%}: {src}." for name, (lo, hi), src in bands),

@@ -127,7 +127,7 @@ def run_bench(model_dir: Path, *, size: str | None = None, steps: int = 20, requ
               guidance_scale: float = 4.5, instance_type: str | None = None, workers: int = 1, notes: str = "",
               command: str = "") -> ServeBenchResult:
     """Load ``model_dir`` once, then time ``requests`` requests after ``warmup`` untimed ones."""
-    from training.perf import flops
+    from training.model import flops
     from training.serve import handler
 
     if requests < 1 or warmup < 0 or workers < 1:

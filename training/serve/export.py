@@ -33,7 +33,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from training.data.text_features import CONDITIONING_FILE, TextConditioning, dir_fingerprint
+from training.data.text_features import (
+    CONDITIONING_FILE,
+    check_recorded_fingerprint,
+    export_conditioning,
+    recorded_component_dir,
+)
 from training.errors import UserError, exits_cleanly
 from training.serve.spec import Limits, ServingSpec, Size, parse_sizes
 
@@ -61,38 +66,6 @@ def export_sha256(root: Path, *, skip: Sequence[str] = UNHASHED) -> str:
     return digest.hexdigest()
 
 
-def _conditioning(transformer_dir: Path) -> TextConditioning:
-    path = transformer_dir / CONDITIONING_FILE
-    if not path.is_file():
-        raise UserError(f"--transformer {transformer_dir}: no {CONDITIONING_FILE} (not a training.checkpoint.export "
-                        "directory?); serving must encode prompts as the training captions were")
-    conditioning = TextConditioning.from_dict(json.loads(path.read_text()))
-    if not conditioning.known or not conditioning.max_text_tokens:
-        raise UserError(f"--transformer {transformer_dir}/{CONDITIONING_FILE}: the text conditioning is "
-                        "unknown (features from an older precompute); re-export from a run whose features "
-                        "record it")
-    return conditioning
-
-
-def _component_dir(flag: str, given: str | None, recorded: dict[str, Any], what: str) -> Path:
-    source = given or recorded.get("path")
-    if not source:
-        raise UserError(f"{flag}: not given and the export does not record the {what} its captions were "
-                        f"encoded with; pass {flag} DIR")
-    path = Path(source)
-    if not path.is_dir():
-        raise UserError(f"{flag} {path}: not a directory")
-    return path
-
-
-def _check_fingerprint(flag: str, path: Path, recorded: dict[str, Any], allow: bool) -> None:
-    want = recorded.get("fingerprint")
-    if want and dir_fingerprint(path) != want and not allow:
-        raise UserError(f"{flag} {path}: differs from the {flag[2:]} the training captions were encoded with "
-                        f"({recorded.get('path')}, fingerprint {want[:12]}); serving it would condition the model "
-                        "otherwise than it was trained; pass that directory, or --allow-conditioning-mismatch")
-
-
 def build_serving_export(*, transformer: Path, vae: Path, out: Path, text_encoder: str | None = None,
                          tokenizer: str | None = None, sizes: Sequence[Size] | None = None,
                          flow_shift: float = 3.0, dtype: str = "bf16", limits: Limits | None = None,
@@ -104,11 +77,11 @@ def build_serving_export(*, transformer: Path, vae: Path, out: Path, text_encode
     transformer, vae, out = Path(transformer), Path(vae), Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UserError(f"--out: {out} exists and is not empty; choose a new directory or pass --overwrite")
-    conditioning = _conditioning(transformer)
-    encoder_dir = _component_dir("--text-encoder", text_encoder, dict(conditioning.text_encoder), "text encoder")
-    tokenizer_dir = _component_dir("--tokenizer", tokenizer, dict(conditioning.tokenizer), "tokenizer")
-    _check_fingerprint("--text-encoder", encoder_dir, dict(conditioning.text_encoder), allow_conditioning_mismatch)
-    _check_fingerprint("--tokenizer", tokenizer_dir, dict(conditioning.tokenizer), allow_conditioning_mismatch)
+    conditioning = export_conditioning(transformer)
+    encoder_dir = recorded_component_dir("--text-encoder", text_encoder, dict(conditioning.text_encoder), "text encoder")
+    tokenizer_dir = recorded_component_dir("--tokenizer", tokenizer, dict(conditioning.tokenizer), "tokenizer")
+    check_recorded_fingerprint("--text-encoder", encoder_dir, dict(conditioning.text_encoder), allow_conditioning_mismatch)
+    check_recorded_fingerprint("--tokenizer", tokenizer_dir, dict(conditioning.tokenizer), allow_conditioning_mismatch)
     try:
         model = SanaTransformer2DModel.from_pretrained(transformer)
         vae_model = AutoencoderDC.from_pretrained(vae)

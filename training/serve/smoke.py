@@ -110,7 +110,7 @@ def run_smoke(work: Path, *, target: str, requests: int = 3, steps: int = 4,
 
 @exits_cleanly
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from training.perf import flops
+    from training.model import flops
     p = argparse.ArgumentParser(prog="python -m training.serve.smoke", description=__doc__.splitlines()[0])
     p.add_argument("--target", default="auto", choices=("auto", *TARGETS), help="default: this host's Neuron target")
     p.add_argument("--work", help="working directory (default: a temporary one, removed afterwards)")

@@ -1,4 +1,4 @@
-"""The serving part of ``make demo`` (training/demo.py ``serve``): the demo's export, served.
+"""The serving part of ``make demo`` (steps.py ``serve``): the demo's export, served.
 
 The demo's training export and tiny components -> the serving export -> CPU graphs
 (``torch.jit.trace``) -> a model directory in model.tar.gz's layout -> a serving bench JSON and

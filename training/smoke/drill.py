@@ -1,4 +1,4 @@
-"""``SANA_DRILL_FAULTS="raise:1:3" torchrun ... -m training.failure.drill [--trainium] <training args>``
+"""``SANA_DRILL_FAULTS="raise:1:3" torchrun ... -m training.smoke.drill [--trainium] <training args>``
 
 A failure drill: the real training entrypoint (``python -m training.gpu``, or with
 ``--trainium`` ``python -m training.trainium``) with faults injected into its steps, to see on
@@ -17,7 +17,7 @@ step is 1-based, applied as that optimizer step starts):
 
 Example on one 8-GPU node (runbooks/checkpoints-and-recovery.md, "When a rank fails")::
 
-    SANA_DRILL_FAULTS="raise:3:5" torchrun --nproc-per-node 8 -m training.failure.drill \\
+    SANA_DRILL_FAULTS="raise:3:5" torchrun --nproc-per-node 8 -m training.smoke.drill \\
         --config training/configs/sana-600m-512.yaml --set data.path=/fsx/data/features/my-set \\
         --set checkpoint.every_steps=2 --max-steps 20 --output-dir /fsx/checkpoints/drill-$USER
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from training.errors import UserError, exits_cleanly
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY_CONFIG = REPO / "training" / "configs" / "tiny-cpu.yaml"
 #: validation prompts in the tiny tokenizer's vocabulary (other words would all be <unk>)
 VALIDATION_PROMPTS = ("a small red circle on a blue background", "a large green square on a white background",
@@ -117,7 +117,7 @@ def train_first_part(demo: Demo) -> None:
 def train_resumed(demo: Demo) -> None:
     """Resume from the newest complete checkpoint and finish."""
     from training import gpu
-    from training.checkpoint import find_latest
+    from training.checkpoint.layout import find_latest
 
     resume_from = find_latest(demo.path("run") / "checkpoints")
     started = time.perf_counter()
@@ -184,7 +184,7 @@ def sample(demo: Demo) -> None:
 
 def compare(demo: Demo) -> None:
     """Bench both backends on this CPU and write the GPU-vs-Trainium report (CPU figures)."""
-    from training.perf.bench import run_demo_comparison
+    from training.demo.compare import run_demo_comparison
     from training.report.prices import DEFAULT_PRICES
 
     # Prices: the shipped, dated table (training/prices.yaml), each figure labelled with its
@@ -206,7 +206,7 @@ def compare(demo: Demo) -> None:
 def serve(demo: Demo) -> None:
     """Serve the export: serving export + CPU graphs -> the SageMaker handler on loopback ->
     one image fetched through POST /invocations; a serving bench and the report's Serving section."""
-    from training.serve.demo import serve_demo
+    from training.demo.serve import serve_demo
 
     demo.where.update(serve_demo(demo.path("serve"), transformer=demo.path("export") / "transformer",
                                  models=demo.path("models"), prompt=VALIDATION_PROMPTS[0]))

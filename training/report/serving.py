@@ -15,7 +15,7 @@ Formulas (tests/serve/test_cost.py checks them by hand):
 - equal-cost MFU ratio (inf2 over GPU) = (USD/h_inf2 / peak_inf2) / (USD/h_gpu / peak_gpu):
   Inferentia2 is cheaper per image iff m_inf2 / m_gpu exceeds it.
 
-The transformer forward is training/perf/flops.py's analytic count; the Gemma-2-2B text encoder is
+The transformer forward is training/model/flops.py's analytic count; the Gemma-2-2B text encoder is
 counted analytically below (its config: google/gemma-2-2b-it config.json, the text encoder
 NVlabs Sana's configs name); the DC-AE decoder is counted by torch's FlopCounterMode on the
 meta device for the dc-ae-f32c32-sana-1.0 config (diffusers scripts/convert_dcae_to_diffusers.py
@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from training.perf import flops
+from training.model import flops
 from training.serve.bench import ServeBenchResult
 
 
