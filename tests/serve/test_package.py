@@ -37,7 +37,7 @@ def test_archive_layout_and_pins(archive):
         requirements = tar.extractfile("code/requirements.txt").read().decode()
         members = {m.name: m for m in tar.getmembers()}
     assert {"code/inference.py", "code/requirements.txt", "code/training/__init__.py", "code/training/errors.py",
-            "code/training/text_features.py", "code/training/serve/handler.py", "export/serving.json",
+            "code/training/data/__init__.py", "code/training/data/text_features.py", "code/training/serve/handler.py", "export/serving.json",
             "export/model_index.json", "export/tokenizer/tokenizer.json", "compiled/manifest.json",
             "compiled/transformer-32x32.pt"} <= set(names)
     # --compiled: the three compiled components travel as graphs, not weights

@@ -40,7 +40,8 @@ from training.serve.runtime import WEIGHT_SUFFIXES
 REPO = Path(__file__).resolve().parents[2]
 #: what code/ carries: the modules the handler (and the local server) import, and nothing of
 #: the build side (compile, package, bench, the report section, the smoke check, the demo)
-CODE_MODULES = ("training/__init__.py", "training/errors.py", "training/data/text_features.py",
+CODE_MODULES = ("training/__init__.py", "training/errors.py", "training/data/__init__.py",
+                "training/data/text_features.py",
                 *(f"training/serve/{name}.py" for name in (
                     "__init__", "errors", "spec", "components", "manifest", "export", "runtime", "handler", "server")))
 #: serving's runtime packages; versions are read from training/requirements-gpu.txt (one pin each)
