@@ -74,7 +74,7 @@ trn_env() {
   # 32 workers per node each with glibc's default 8*cores malloc arenas exhaust host memory
   # (Neuron's PyTorch training guides set 64).
   export_line MALLOC_ARENA_MAX 64
-  # Full-bf16 weights need stochastic rounding to keep training (DESIGN.md, Trainium facts).
+  # Full-bf16 weights need stochastic rounding to keep training (runbooks/train-trainium.md, bf16).
   export_line NEURON_RT_STOCHASTIC_ROUNDING_EN 1
   # The compile cache is per user ($SANA_CACHE_ROOT/neuron/<user>, set by launch.sh): a cache
   # another user can write would let them choose the graphs this user's job runs.

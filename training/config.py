@@ -1,6 +1,6 @@
 """TrainConfig: one YAML file + ``--set a.b=c`` overrides -> typed, validated sections.
 
-Each component owns its section's dataclass (STYLE.md rule 5); this module only composes
+Each component owns its section's dataclass (CONTRIBUTING.md, 5); this module only composes
 them and turns every mistake into one line naming the key::
 
     error: config key optim.lr: must be > 0

@@ -1,7 +1,7 @@
 """``python -m training.gpu --config training/configs/tiny-cpu.yaml [--set k=v] [--resume auto]``
 
 Entry point for CUDA GPUs (one process per GPU under torchrun) and for CPU processes (tests,
-the local demo). Thin on purpose (STYLE.md rule 1): parse, build the backend, train, close.
+the local demo). Thin on purpose (CONTRIBUTING.md, 1): parse, build the backend, train, close.
 """
 
 from __future__ import annotations

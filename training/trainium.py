@@ -2,7 +2,7 @@
 
 Entry point for Trainium (one process per NeuronCore under torchrun) and for torch-xla's
 CPU device in tests (``PJRT_DEVICE=CPU``). Same flags as ``python -m training.gpu`` plus
-``--precompile``; thin on purpose (STYLE.md rule 1): parse, build the backend, train, close.
+``--precompile``; thin on purpose (CONTRIBUTING.md, 1): parse, build the backend, train, close.
 
 ``--precompile`` is for ``neuron_parallel_compile torchrun ... -m training.trainium ...`` (the
 ``precompile`` Slurm job kind wraps the training job's own torchrun world in it, so the

@@ -1,4 +1,4 @@
-"""Every lifecycle script is shellcheck-clean and fails fast (STYLE.md rule 11)."""
+"""Every lifecycle script is shellcheck-clean and fails fast (CONTRIBUTING.md, 11)."""
 
 from __future__ import annotations
 

@@ -408,7 +408,7 @@ def test_train_trainium_sbatch_runs_tiny_on_pjrt_cpu_on_partition_trn(slurm_clus
     if not (REPO / ".venv-xla" / "bin" / "python").exists():
         skip_unless_required(".venv-xla missing; run `make setup-xla` (make test builds it before these tests)")
     job_name = "tiny-trn"
-    # One rank: XLA collectives across processes on PJRT CPU return wrong values (DESIGN.md);
+    # One rank: XLA collectives across processes on PJRT CPU return wrong values (tests/xla/graph_hash_worker.py);
     # cross-rank behaviour is the GPU test's.
     job_id = submit(slurm_cluster, site, "train-trainium.sbatch", str(site.tiny), "--set", f"data.path={site.features}",
                     "--set", "checkpoint.every_steps=2", "--max-steps", "4", job_name=job_name,

@@ -2,8 +2,8 @@
 
 Run as a subprocess with RANK / WORLD_SIZE set (as torchrun would): the objective and the
 loader's data come from that rank, while the XLA runtime is one PJRT CPU device (XLA
-collectives across processes do not work on PJRT CPU, DESIGN.md; with one device the
-gradient all-reduce is a no-op). What differs between real ranks apart from collectives,
+collectives across processes do not work on PJRT CPU: they return wrong values, silently;
+with one device the gradient all-reduce is a no-op). What differs between real ranks apart from collectives,
 i.e. rank-dependent values in the traced program, differs here too.
 
 Prints one JSON line: {"rank", "hashes": [step 0, step 1], "compile": compile_stats}.

@@ -343,7 +343,7 @@ class Validation:
 def build_validation(cfg: ValidationConfig, backend: Any, *, loader: Any, model: nn.Module,
                      output_dir: str | Path, metrics: Any, flow_shift: float,
                      lora: Any = None) -> Validation | NoValidation:
-    """The loop's validator: ``NoValidation`` when ``every_steps`` is 0 (STYLE.md rule 3).
+    """The loop's validator: ``NoValidation`` when ``every_steps`` is 0 (CONTRIBUTING.md, 3).
     ``lora``: the run's LoraConfig (adapters on the render copy too)."""
     if not cfg.enabled:
         return NoValidation()

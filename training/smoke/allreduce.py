@@ -2,7 +2,7 @@
 
 Every rank contributes ``rank + 1``; the sum must be ``world * (world + 1) / 2`` everywhere
 (a wrong value fails the check, not just a slow one). Bandwidths follow nccl-tests'
-definitions (NVIDIA/nccl-tests doc/PERFORMANCE.md): algbw = bytes / time, and for
+definitions (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md): algbw = bytes / time, and for
 all-reduce busbw = algbw * 2 * (n - 1) / n, the number comparable with the link speed.
 Rank 0 prints one line ``SMOKE_ALLREDUCE {json}`` that the smoke job parses.
 
