@@ -31,7 +31,7 @@ def run_demo_comparison(out_dir: str | Path, *, features: str | Path, dataset_sa
         report_args: more ``python -m training.report`` arguments (the demo's price and parity inputs).
     """
 
-    from training.data import FeatureIndex
+    from training.data.index import FeatureIndex
     from training.report.build import main as report_main
 
     out = Path(out_dir)
