@@ -17,7 +17,11 @@ from PIL import Image
 from training.metrics import MetricsLogger
 from training.model import flops
 from training.model.build import PRESETS
-from training.report import build as report
+from training.report import cli
+from training.report.build import build
+from training.report.charts import CHART_PX
+from training.report.inputs import Options
+from training.report.prices import DEFAULT_PRICES, PriceTable
 
 TODAY = datetime.date.today().isoformat()
 F = 0.947e12  # make_result's train_flops_per_sample
@@ -56,7 +60,7 @@ def _runs(tmp_path: Path, gpu_mfu: float = 0.30, trn_mfu: float = 0.25) -> list[
 
 def _report(tmp_path: Path, *args: str, runs: bool = True) -> str:
     out = tmp_path / "out"
-    report.main([*(_runs(tmp_path) if runs else ["--project"]), "--out", str(out), *args])
+    cli.main([*(_runs(tmp_path) if runs else ["--project"]), "--out", str(out), *args])
     return (out / "report.md").read_text()
 
 
@@ -92,11 +96,11 @@ def test_shipped_table_is_dated_within_12_months_cited_and_turns_stale_on_its_ow
     from training.report.assemble import DecisionOptions
     from training.report.serving import serving_prices
 
-    table = report.PriceTable.load(report.DEFAULT_PRICES)
+    table = PriceTable.load(DEFAULT_PRICES)
     rechecked = datetime.date.fromisoformat(table.as_of[:10])
     assert rechecked <= datetime.date.today()
     sections = {"prices": table.prices.values(), "ec2": table.ec2.values(),
-                "serving": serving_prices([report.DEFAULT_PRICES]).values()}
+                "serving": serving_prices([DEFAULT_PRICES]).values()}
     for section, entries in sections.items():
         for p in entries:
             assert p.source.startswith("https://") and p.note, p
@@ -117,9 +121,9 @@ def test_shipped_table_is_dated_within_12_months_cited_and_turns_stale_on_its_ow
     oldest = min(datetime.date.fromisoformat(p.checked) for p in table.prices.values())
     names = sorted(n for n, p in table.prices.items() if datetime.date.fromisoformat(p.checked) == oldest)
     for days, stale in ((365, False), (366, True)):
-        opts = report.Options(project_only=True, decision=DecisionOptions(
+        opts = Options(project_only=True, decision=DecisionOptions(
             today=oldest + datetime.timedelta(days=days)))
-        head = report.build([], tmp_path / str(days), opts=opts).read_text().split("## Projection")[0]
+        head = build([], tmp_path / str(days), opts=opts).read_text().split("## Projection")[0]
         assert ("**Stale prices:**" in head) is stale
         if stale:
             assert all(f"{n} (checked {oldest}, 366 days ago)" in head for n in names), head
@@ -161,7 +165,7 @@ def test_price_scenarios_against_hand_computation(tmp_path):
 ])
 def test_bad_decision_input_is_one_line(tmp_path, capsys, argv, needle):
     with pytest.raises(SystemExit) as exc:
-        report.main(["--project", "--out", str(tmp_path / "o"), *argv])
+        cli.main(["--project", "--out", str(tmp_path / "o"), *argv])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and needle in err
@@ -235,7 +239,7 @@ def test_parity_within_tolerance_overlays_states_the_gap_and_shows_both_grids(tm
         assert copied.read_bytes() == (run / "validation" / "step-00000200.png").read_bytes()
     assert "| ![](parity-grid-1-step-00000200.png) | ![](parity-grid-2-step-00000200.png) |" in sec
     with Image.open(out / "parity.png") as img:
-        assert img.size == report.CHART_PX
+        assert img.size == CHART_PX
 
 
 def test_a_diverging_run_is_flagged_and_fails_parity(tmp_path):

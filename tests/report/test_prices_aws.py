@@ -24,8 +24,10 @@ from bench_fixtures import make_result
 from botocore.stub import Stubber
 
 from training.model import flops
-from training.report import aws_prices
-from training.report import build as report
+from training.report import aws_prices, cli
+from training.report.assemble import DecisionOptions
+from training.report.build import build
+from training.report.inputs import Options
 from training.report.prices import DEFAULT_PRICES, PriceTable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -127,8 +129,8 @@ def test_prices_aws_against_the_stubbed_api_names_the_api_as_the_source(tmp_path
     with Stubber(c) as stubber:
         stub_api(stubber)
         out = tmp_path / "out"
-        opts = report.Options(decision=report.assemble.DecisionOptions(prices=["aws"], pricing_client=c))
-        md = report.build(_runs(tmp_path), out, opts=opts).read_text()
+        opts = Options(decision=DecisionOptions(prices=["aws"], pricing_client=c))
+        md = build(_runs(tmp_path), out, opts=opts).read_text()
         stubber.assert_no_pending_responses()
     prices = md.split("## Prices and where they came from")[1].split("\n## ")[0]
     rows = {line.split(" | ")[0].strip("| "): line for line in prices.splitlines() if line.startswith("| ml.")}
@@ -185,7 +187,7 @@ def test_documented_example_parses(tmp_path):
 
 def test_no_credentials_falls_back_to_the_shipped_table_in_one_line(tmp_path, capsys):
     out = tmp_path / "out"
-    report.main([*_runs(tmp_path), "--out", str(out), "--prices", "aws"])
+    cli.main([*_runs(tmp_path), "--out", str(out), "--prices", "aws"])
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err == [f"prices: AWS Price List API not reached (NoCredentialsError: Unable to locate credentials); "
                    f"falling back to the shipped table prices.yaml (as of {SHIPPED.as_of})"]
@@ -201,7 +203,7 @@ def test_unreachable_endpoint_falls_back_and_then_uses_the_cache(tmp_path, capsy
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_ENDPOINT_URL_PRICING", f"http://127.0.0.1:{port}")
-    report.main([*_runs(tmp_path), "--out", str(tmp_path / "a"), "--prices", "aws"])
+    cli.main([*_runs(tmp_path), "--out", str(tmp_path / "a"), "--prices", "aws"])
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("prices:")]
     assert line.startswith("prices: AWS Price List API not reached (EndpointConnectionError: ")
     assert line.endswith(f"falling back to the shipped table prices.yaml (as of {SHIPPED.as_of})")
@@ -210,7 +212,7 @@ def test_unreachable_endpoint_falls_back_and_then_uses_the_cache(tmp_path, capsy
     with Stubber(c) as stubber:
         stub_api(stubber)
         aws_prices.resolve(["aws"], WANTED, client=c, log=lambda _: None)
-    report.main([*_runs(tmp_path), "--out", str(tmp_path / "b"), "--prices", "aws"])
+    cli.main([*_runs(tmp_path), "--out", str(tmp_path / "b"), "--prices", "aws"])
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("prices:")]
     assert "EndpointConnectionError" in line and "using the cached fetch of " in line
     md = (tmp_path / "b" / "report.md").read_text()
@@ -253,7 +255,7 @@ def test_two_different_hyperpod_prices_are_not_guessed(tmp_path):
 ])
 def test_bad_prices_source_is_one_line(tmp_path, capsys, spec, needle):
     with pytest.raises(SystemExit):
-        report.main([*_runs(tmp_path), "--out", str(tmp_path / "o"), "--prices", spec])
+        cli.main([*_runs(tmp_path), "--out", str(tmp_path / "o"), "--prices", spec])
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and needle in err and "\n" not in err
 

@@ -1,5 +1,6 @@
 """The projection (training/report/projection.py) against hand computations and brute force, measured
-points on its chart, budget answers, and its one-line refusals."""
+points on its chart (measured_points.py, projection_chart.py), budget answers (budget.py), and its
+one-line refusals."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from bench_fixtures import make_result
 
 from training.model import flops
 from training.model.build import PRESETS
-from training.report import build as report
-from training.report import projection
+from training.report import budget, cli, inputs, projection
+from training.report.charts import CHART_PX
+from training.report.prices import DEFAULT_PRICES, PriceTable
 
 #: round prices so the hand computations below are readable; p5 and trn1 only
 PRICES_YAML = """as_of: "2030-01-01"
@@ -34,7 +36,7 @@ def prices(tmp_path: Path) -> Path:
 
 
 def _plats(prices: Path) -> dict[str, projection.Platform]:
-    table = report.PriceTable.load(prices)
+    table = PriceTable.load(prices)
     return {p.instance_type: p for p in projection.platforms(table.prices, "bf16-mixed")}
 
 
@@ -61,9 +63,9 @@ def test_projection_matches_hand_computation(tmp_path, prices, preset, hw, insta
     assert projection.cost_to_target(w, p, 0.3, 3e7, 4, a) == pytest.approx(hours * 4 * usd, rel=1e-12)
     # ... and the report prints those figures in its projection table
     out = tmp_path / "out"
-    report.main(["--project", "--out", str(out), "--prices", str(prices), "--preset", preset,
-                 "--mfu-band", "0.2,0.4", "--scaling-per-doubling", "0.9", "--nodes", "4",
-                 "--dataset-samples", "10000000", "--epochs", "3"])
+    cli.main(["--project", "--out", str(out), "--prices", str(prices), "--preset", preset,
+              "--mfu-band", "0.2,0.4", "--scaling-per-doubling", "0.9", "--nodes", "4",
+              "--dataset-samples", "10000000", "--epochs", "3"])
     md = (out / "report.md").read_text()
     row = next(line for line in md.splitlines() if line.startswith(f"| {preset} | {instance[3:]} |"))
     costs = " / ".join(f"${usd / (m * peak_per_instance / f * 3600) * 1e6:,.2f}" for m in (0.2, 0.3, 0.4))
@@ -76,7 +78,7 @@ def test_sana_600m_numbers_in_words():
     """By hand: 0.947 TFLOP/sample, p5 at the shipped table's price and 30% MFU."""
     a = projection.Assumptions()
     w = projection.workload("sana-600m-512", a)
-    usd = report.PriceTable.load(report.DEFAULT_PRICES).get("ml.p5.48xlarge").usd_per_hour
+    usd = PriceTable.load(DEFAULT_PRICES).get("ml.p5.48xlarge").usd_per_hour
     p5 = projection.Platform(instance_type="ml.p5.48xlarge", backend="gpu", accelerator="H100-SXM", devices=8,
                              peak_tflops=989.0, peak_source="", usd_per_hour=usd, price_checked="", price_verified=False)
     # 0.3 x 7912 TFLOP/s / 0.947 TFLOP = 2506 samples/s per instance -> USD/h / (2506 x 3600) x 1e6 per million
@@ -100,7 +102,7 @@ def _crossing(f, lo: float = 1e-4, hi: float = 2.0, steps: int = 200_000) -> flo
 
 @pytest.mark.parametrize("shipped", [False, True])
 def test_break_even_formula_matches_brute_force(prices, shipped):
-    table = report.PriceTable.load(report.DEFAULT_PRICES if shipped else prices)
+    table = PriceTable.load(DEFAULT_PRICES if shipped else prices)
     plats = {p.instance_type: p for p in projection.platforms(table.prices, "bf16-mixed")}
     gpu, trn = plats["ml.p5.48xlarge"], plats["ml.trn1.32xlarge"]
     a = projection.Assumptions(scaling_per_doubling=0.9)
@@ -168,9 +170,9 @@ def test_measured_points_land_where_their_json_says(tmp_path, prices, monkeypatc
     markers = _chart_markers(monkeypatch)
     paths = _runs(tmp_path, gpu_mfu=0.30, trn_mfu=0.25)
     out = tmp_path / "out"
-    report.main([*map(str, paths), "--out", str(out), "--prices", str(prices)])
+    cli.main([*map(str, paths), "--out", str(out), "--prices", str(prices)])
     md = (out / "report.md").read_text()
-    table = report.PriceTable.load(prices)
+    table = PriceTable.load(prices)
     expected = {}
     for path in paths:
         data = json.loads(path.read_text())
@@ -198,8 +200,8 @@ def test_chart_marks_the_break_even_and_shades_the_band(tmp_path, prices, monkey
     spans: list = []
     diamonds = _chart_markers(monkeypatch, "D", spans)
     out = tmp_path / "out"
-    report.main([*map(str, _runs(tmp_path, gpu_mfu=0.30, trn_mfu=0.25)), "--out", str(out), "--prices", str(prices),
-                 "--mfu-band", "0.2,0.35"])
+    cli.main([*map(str, _runs(tmp_path, gpu_mfu=0.30, trn_mfu=0.25)), "--out", str(out), "--prices", str(prices),
+              "--mfu-band", "0.2,0.35"])
     r = (25 / (32 * 95)) / (100 / (8 * 989))
     (d,) = diamonds
     # at the measured p5 MFU (0.30): trn1 at r x 0.30 costs what p5 costs at 0.30
@@ -211,7 +213,7 @@ def test_chart_marks_the_break_even_and_shades_the_band(tmp_path, prices, monkey
 
 def test_gpu_side_when_trainium_is_below_break_even(tmp_path, prices):
     out = tmp_path / "out"
-    report.main([*map(str, _runs(tmp_path, gpu_mfu=0.40, trn_mfu=0.20)), "--out", str(out), "--prices", str(prices)])
+    cli.main([*map(str, _runs(tmp_path, gpu_mfu=0.40, trn_mfu=0.20)), "--out", str(out), "--prices", str(prices)])
     section = (out / "report.md").read_text().split("### Measured runs on the projection")[1]
     assert "on the **GPU** side" in section  # 0.5 < 0.651
 
@@ -221,11 +223,11 @@ def test_cpu_runs_are_labelled_and_never_move_the_recommendation(tmp_path, price
     base, with_cpu = tmp_path / "a", tmp_path / "b"
     base.mkdir()
     with_cpu.mkdir()
-    report.main([*map(str, _runs(base, gpu_mfu=0.3, trn_mfu=0.25)), "--out", str(base / "out"),
-                 "--prices", str(prices), "--allow-mismatch"])
+    cli.main([*map(str, _runs(base, gpu_mfu=0.3, trn_mfu=0.25)), "--out", str(base / "out"),
+              "--prices", str(prices), "--allow-mismatch"])
     n_before = len(markers)
-    report.main([*map(str, _runs(with_cpu, gpu_mfu=0.3, trn_mfu=0.25, cpu=True)), "--out", str(with_cpu / "out"),
-                 "--prices", str(prices), "--allow-mismatch"])
+    cli.main([*map(str, _runs(with_cpu, gpu_mfu=0.3, trn_mfu=0.25, cpu=True)), "--out", str(with_cpu / "out"),
+              "--prices", str(prices), "--allow-mismatch"])
     assert len(markers) - n_before == n_before == 2  # the CPU run is not placed
 
     def verdict(md: str) -> str:
@@ -246,7 +248,7 @@ def test_real_tokens_from_the_feature_shards(tmp_path):
 
     write_synthetic_features(tmp_path / "f", num_samples=20, latent_shape=(4, 8, 8), text_dim=8,
                              max_text_tokens=300, text_tokens=(7, 7), samples_per_shard=8)
-    mean, n, padded = projection.mean_real_text_tokens(str(tmp_path / "f"))
+    mean, n, padded = inputs.mean_real_text_tokens(str(tmp_path / "f"))
     assert (mean, n, padded) == (7.0, 20, 300)
     a = projection.Assumptions(real_text_tokens=mean)
     w = projection.workload("sana-600m-512", a)
@@ -261,7 +263,7 @@ def test_report_reads_real_tokens_only_when_the_lengths_match(tmp_path, prices):
     write_synthetic_features(tmp_path / "f", num_samples=8, latent_shape=(4, 8, 8), text_dim=8,
                              max_text_tokens=16, text_tokens=(4, 4))
     out = tmp_path / "out"
-    report.main(["--project", "--out", str(out), "--prices", str(prices), "--features-index", str(tmp_path / "f")])
+    cli.main(["--project", "--out", str(out), "--prices", str(prices), "--features-index", str(tmp_path / "f")])
     md = (out / "report.md").read_text()
     assert "not applied: " in md and "pads captions to 16 tokens (mean 4.0 real)" in md
     assert "| sana-600m-512 | p5.48xlarge | 0.947 | 0% |" in md
@@ -274,8 +276,8 @@ def test_budget_hours_picks_the_cheapest_platform_on_the_fewest_nodes(prices):
     w = projection.workload("sana-600m-512", a)
     plats = list(_plats(prices).values())
     samples = 1e9
-    pick, per = projection.answer_budget(w, plats, a, samples, budget_usd=None, budget_hours=40.0, max_nodes=16,
-                                         measured={})
+    pick, per = budget.answer_budget(w, plats, a, samples, budget_usd=None, budget_hours=40.0, max_nodes=16,
+                                     measured={})
     # brute force: for each platform the fewest n with hours <= 40; the cheapest of those
     best = []
     for p in plats:
@@ -285,8 +287,8 @@ def test_budget_hours_picks_the_cheapest_platform_on_the_fewest_nodes(prices):
     assert (pick.platform.instance_type, pick.nodes, pick.usd) == (inst, n, pytest.approx(cost))
     assert pick.depends_most_on.startswith("MFU (assumed 30.0%")
     # a measured MFU replaces the assumption; then it depends most on scaling (n > 1) or the price
-    pick2, _ = projection.answer_budget(w, plats, a, samples, budget_usd=None, budget_hours=40.0, max_nodes=16,
-                                        measured={p.instance_type: 0.3 for p in plats})
+    pick2, _ = budget.answer_budget(w, plats, a, samples, budget_usd=None, budget_hours=40.0, max_nodes=16,
+                                    measured={p.instance_type: 0.3 for p in plats})
     assert pick2.mfu_measured and pick2.depends_most_on.startswith(
         "scaling efficiency" if pick2.nodes > 1 else "the price")
 
@@ -295,14 +297,14 @@ def test_budget_usd_only_takes_the_most_nodes_it_affords(prices):
     a = projection.Assumptions(scaling_per_doubling=0.9)
     w = projection.workload("sana-600m-512", a)
     plats = list(_plats(prices).values())
-    pick, per = projection.answer_budget(w, plats, a, 1e9, budget_usd=20_000.0, budget_hours=None, max_nodes=8,
-                                         measured={})
+    pick, per = budget.answer_budget(w, plats, a, 1e9, budget_usd=20_000.0, budget_hours=None, max_nodes=8,
+                                     measured={})
     for ans in per:
         assert ans.usd <= 20_000
         more = ans.nodes + 1
         assert more > 8 or projection.cost_to_target(w, ans.platform, ans.mfu, 1e9, more, a) > 20_000
     assert pick.hours == min(x.hours for x in per)
-    none, _ = projection.answer_budget(w, plats, a, 1e9, budget_usd=1.0, budget_hours=None, max_nodes=8, measured={})
+    none, _ = budget.answer_budget(w, plats, a, 1e9, budget_usd=1.0, budget_hours=None, max_nodes=8, measured={})
     assert none is None
 
 
@@ -319,7 +321,7 @@ def test_budget_usd_only_takes_the_most_nodes_it_affords(prices):
 ])
 def test_bad_projection_input_is_one_line_naming_the_flag(tmp_path, capsys, argv, needle):
     with pytest.raises(SystemExit) as exc:
-        report.main([*argv, "--out", str(tmp_path / "o")])
+        cli.main([*argv, "--out", str(tmp_path / "o")])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and needle in err
@@ -329,12 +331,12 @@ def test_projection_only_report_has_the_chart_and_no_run_sections(tmp_path):
     from PIL import Image
 
     out = tmp_path / "out"
-    report.main(["--project", "--out", str(out), "--budget-usd", "5000", "--dataset-samples", "1000000",
-                 "--epochs", "10"])
+    cli.main(["--project", "--out", str(out), "--budget-usd", "5000", "--dataset-samples", "1000000",
+              "--epochs", "10"])
     md = (out / "report.md").read_text()
     assert "## Projection: cost and time as a function of MFU" in md and "## Runs" not in md
     assert "### Break-even" in md and "**Cost per sample:**" in md
     assert "Budget $5,000 for 1,000,000 samples x 10 epochs" in md
     with Image.open(out / "projection.png") as img:
-        assert img.size == report.CHART_PX
+        assert img.size == CHART_PX
     assert math.isfinite(len(md))

@@ -12,7 +12,12 @@ from bench_fixtures import make_result  # tests/report/bench_fixtures.py (rootdi
 from PIL import Image
 
 from training.perf.bench_result import BenchResult
-from training.report import build as report
+from training.report import cli
+from training.report.charts import CHART_PX
+from training.report.inputs import Options, fsx_from_cdk
+from training.report.prices import DEFAULT_PRICES, PriceTable
+from training.report.recommendation import recommendation
+from training.report.runs import Run
 
 REPO = Path(__file__).resolve().parents[2]
 PRICES = REPO / "training" / "prices.yaml"
@@ -23,7 +28,7 @@ def _png_ok(path: Path) -> None:
         img.verify()  # a truncated or non-PNG file raises here
     with Image.open(path) as img:
         assert img.format == "PNG"
-        assert img.size == report.CHART_PX
+        assert img.size == CHART_PX
 
 
 def _money(x: float) -> str:
@@ -48,7 +53,7 @@ def test_report_from_real_cpu_runs_matches_hand_computation(demo_comparison, tin
     assert trn.compile_count and trn.compile_count >= 1 and trn.compiles_in_timed_steps == 0
     assert gpu.steps_timed == trn.steps_timed == 4
     assert "CPU figures, not accelerator figures" in md
-    price = report.PriceTable.load(md_path.parent.parent / "prices-demo.yaml").get("local").usd_per_hour
+    price = PriceTable.load(md_path.parent.parent / "prices-demo.yaml").get("local").usd_per_hour
     for r in (gpu, trn):
         cost = price / (r.samples_per_s_per_instance * 3600) * 1e6  # USD per million samples
         hours = 1000 * 2 / r.samples_per_s_total / 3600  # --dataset-samples 1000 --epochs 2
@@ -82,7 +87,7 @@ def test_report_from_real_cpu_runs_matches_hand_computation(demo_comparison, tin
     assert "Against the projection" not in rec
     # ...with the current break-even of the headline pair, computed by hand from the shipped
     # table (16 Trainium1 chips x 190, 8 H100 x 989 dense bf16 TFLOP/s), and where each price came from
-    shipped = report.PriceTable.load(report.DEFAULT_PRICES)
+    shipped = PriceTable.load(DEFAULT_PRICES)
     trn1, p5 = shipped.get("ml.trn1.32xlarge"), shipped.get("ml.p5.48xlarge")
     r = (trn1.usd_per_hour / (16 * 190)) / (p5.usd_per_hour / (8 * 989))
     assert f"when its MFU is **{r:.2f}x** the GPU's" in proj
@@ -105,10 +110,10 @@ def test_recommendation_scaling_and_mfu_against_hand_computation(tmp_path):
            for n, s in ((1, 30.0), (2, 29.0))]
     paths = [_write(tmp_path, f"r{i}.json", d) for i, d in enumerate(p5 + trn)]
     out = tmp_path / "out"
-    report.main([*map(str, paths), "--out", str(out), "--prices", str(PRICES), "--dataset-samples", "10000000",
-                 "--fsx-throughput-mbps", "500"])
+    cli.main([*map(str, paths), "--out", str(out), "--prices", str(PRICES), "--dataset-samples", "10000000",
+              "--fsx-throughput-mbps", "500"])
     md = (out / "report.md").read_text()
-    prices = report.PriceTable.load(PRICES)
+    prices = PriceTable.load(PRICES)
     usd_p5, usd_trn = prices.get("ml.p5.48xlarge").usd_per_hour, prices.get("ml.trn1.32xlarge").usd_per_hour
     # at one node: p5 3200 samples/s/instance, trn1 960 samples/s/instance
     c_p5, c_trn = usd_p5 / (3200 * 3600) * 1e6, usd_trn / (960 * 3600) * 1e6
@@ -138,9 +143,9 @@ def test_crossover_sentence_when_the_cheaper_platform_is_slower(tmp_path):
                        per_node=8, sps_per_accel=100.0)
     slow = make_result(backend="trainium", instance_type="ml.trn1.32xlarge", accelerator="NeuronCore-v2",
                        nodes=1, per_node=32, sps_per_accel=20.0)
-    runs = [report.Run(path=Path(n), result=BenchResult.from_dict(d), price=report.PriceTable.load(PRICES).get(
+    runs = [Run(path=Path(n), result=BenchResult.from_dict(d), price=PriceTable.load(PRICES).get(
         d["instance_type"])) for n, d in (("a", fast), ("b", slow))]
-    text = report.recommendation(runs, report.Options(dataset_samples=1_000_000, epochs=3))
+    text = recommendation(runs, Options(dataset_samples=1_000_000, epochs=3))
     p_fast, p_slow = runs[0].price.usd_per_hour, runs[1].price.usd_per_hour
     t_fast, t_slow = 3e6 / 800 / 3600, 3e6 / 640 / 3600
     c_fast, c_slow = t_fast * p_fast, t_slow * p_slow
@@ -155,7 +160,7 @@ def test_crossover_sentence_when_the_cheaper_platform_is_slower(tmp_path):
 
 def _fails(argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as exc:
-        report.main(argv)
+        cli.main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
@@ -174,7 +179,7 @@ def test_mismatch_is_refused_naming_the_field(tmp_path, capsys):
     a, b = _pair(tmp_path, precision="bf16")
     err = _fails([str(a), str(b), "--out", str(tmp_path / "o")], capsys)
     assert "field precision is 'bf16'" in err and str(a) in err and "--allow-mismatch" in err
-    report.main([str(a), str(b), "--out", str(tmp_path / "o"), "--allow-mismatch"])
+    cli.main([str(a), str(b), "--out", str(tmp_path / "o"), "--allow-mismatch"])
     assert "Mismatched runs compared" in (tmp_path / "o" / "report.md").read_text()
 
 
@@ -227,7 +232,7 @@ def test_shipped_prices_cover_every_hyperpod_instance_type_of_their_region():
     import cfnlint
 
     from training.model import flops
-    table = report.PriceTable.load(PRICES)
+    table = PriceTable.load(PRICES)
     enum = json.loads((Path(cfnlint.__file__).parent / "data" / "schemas" / "extensions" / "aws_sagemaker_cluster"
                        / "instancetype_enum.json").read_text())
     sold = set(enum[table.region]["enum"]) & set(flops.INSTANCE_TYPES)
@@ -240,14 +245,14 @@ def test_shipped_prices_cover_every_hyperpod_instance_type_of_their_region():
 
 
 def test_fsx_defaults_come_from_cdk_json():
-    mbps, source = report.fsx_from_cdk(REPO / "cdk.json")
+    mbps, source = fsx_from_cdk(REPO / "cdk.json")
     ctx = json.loads((REPO / "cdk.json").read_text())["context"]
     assert mbps == pytest.approx(ctx["fsxStorageGiB"] / 1024 * ctx["fsxThroughputPerTiB"])
     assert "fsxStorageGiB" in source
 
 
 def test_durations_read_naturally():
-    from training.report.build import duration
+    from training.report.markdown import duration
 
     assert duration(12.5) == "12.50 h"
     assert duration(0.05) == "3.0 min"

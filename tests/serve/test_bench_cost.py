@@ -80,11 +80,11 @@ def test_section_states_the_equal_mfu_ratio_and_the_assumption():
 
 
 def test_report_reads_the_serving_bench(bench_json: Path, tmp_path: Path):
-    from training.report import build as report
+    from training.report import cli
     prices = tmp_path / "prices.yaml"
     prices.write_text('as_of: "2026-01-01"\ncurrency: USD\nregion: local\nprices:\n  local:\n'
                       '    usd_per_hour: 2.0\n    source: test\n    checked: "2026-01-01"\n    verified: false\n')
-    report.main(["--project", "--out", str(tmp_path / "r"), "--prices", str(prices), "--serving", str(bench_json)])
+    cli.main(["--project", "--out", str(tmp_path / "r"), "--prices", str(prices), "--serving", str(bench_json)])
     text = (tmp_path / "r" / "report.md").read_text()
     serving = text[text.index("## Serving"):]
     result = ServeBenchResult.load(bench_json)

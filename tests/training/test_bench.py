@@ -12,7 +12,7 @@ import pytest
 
 from training.model import flops
 from training.model.build import PRESETS
-from training.perf import bench
+from training.perf import bench, measure, overhead, synthetic_features
 from training.perf.bench_result import BenchResult
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_percentile_matches_numpy():
     values = [0.31, 0.2, 0.5, 0.45, 0.33, 0.29, 1.7]
     for q in (0, 10, 50, 90, 100):
-        assert bench.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+        assert measure.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
 
 
 def test_bench_gpu_backend_on_cpu_writes_a_valid_result(tmp_path, capsys):
@@ -63,13 +63,13 @@ def test_loop_step_costs_at_most_110_percent_of_a_bare_step(tmp_path):
     """Issue 4 part 8: CPU fp32, a model whose bare step takes >= 0.2 s; one run, ratio printed."""
     from training.config import load_config
 
-    cfg = load_config(["--config", str(bench.OVERHEAD_CONFIG), "--output-dir", str(tmp_path / "run")])
-    cfg = bench.prepare_overhead_run(cfg, tmp_path)  # doubles the batch on a CPU fast enough to need it
-    result = bench.measure_overhead(cfg, work_dir=tmp_path)
+    cfg = load_config(["--config", str(overhead.OVERHEAD_CONFIG), "--output-dir", str(tmp_path / "run")])
+    cfg = overhead.prepare_overhead_run(cfg, tmp_path)  # doubles the batch on a CPU fast enough to need it
+    result = overhead.measure_overhead(cfg, work_dir=tmp_path)
     print("\n" + result.line())
     assert result.pairs == 10
-    assert result.bare_step_s >= bench.MIN_BARE_STEP_S, f"bare step {result.bare_step_s:.3f} s: model too small for the check"
-    assert result.ratio <= bench.OVERHEAD_LIMIT, result.line()
+    assert result.bare_step_s >= overhead.MIN_BARE_STEP_S, f"bare step {result.bare_step_s:.3f} s: model too small for the check"
+    assert result.ratio <= overhead.OVERHEAD_LIMIT, result.line()
     assert statistics.median([result.loop_wall_s, result.bare_wall_s]) > 0
 
 
@@ -229,7 +229,7 @@ def test_caption_lengths_come_from_the_stored_captions(tmp_path, capsys):
     assert cl.load("full").lengths is None
     with pytest.raises(cl.UserError, match="--caption-lengths nowhere: neither"):
         cl.load("nowhere")
-    spec = bench.synthetic_spec(PRESETS["tiny"], 10, saved)
+    spec = synthetic_features.synthetic_spec(PRESETS["tiny"], 10, saved)
     assert max(spec["text_lengths"]) == 10 and "text_tokens" not in spec  # clipped to the padded length
 
 
@@ -240,6 +240,6 @@ def test_bench_auto_caption_lengths_use_the_config_features(tmp_path):
     write_synthetic_features(tmp_path / "feats", num_samples=8, max_text_tokens=16, text_lengths=[5])
     cfg = load_config(["--config", str(REPO / "training/configs/tiny-cpu.yaml"), "--set",
                        f"data.path={tmp_path / 'feats'}"])
-    assert bench.resolve_caption_lengths("auto", cfg).lengths == (5,) * 8
+    assert synthetic_features.resolve_caption_lengths("auto", cfg).lengths == (5,) * 8
     cfg.data.path = str(tmp_path / "absent")
-    assert bench.resolve_caption_lengths("auto", cfg).lengths is None  # full
+    assert synthetic_features.resolve_caption_lengths("auto", cfg).lengths is None  # full

@@ -241,7 +241,7 @@ def test_shipped_gpu_configs_fit_an_80gb_gpu() -> None:
 
 def test_runbook_memory_table_is_the_commands_output() -> None:
     """runbooks/train-gpu.md pastes `python -m training.bench --memory-table`: it must match."""
-    from training.perf.bench import memory_tables
+    from training.perf.memory_table import memory_tables
 
     text = (REPO / "runbooks/train-gpu.md").read_text()
     start, end = "<!-- memory-table: start -->\n", "<!-- memory-table: end -->"

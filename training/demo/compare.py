@@ -32,7 +32,7 @@ def run_demo_comparison(out_dir: str | Path, *, features: str | Path, dataset_sa
     """
 
     from training.data.index import FeatureIndex
-    from training.report.build import main as report_main
+    from training.report.cli import main as report_main
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

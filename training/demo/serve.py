@@ -20,7 +20,7 @@ from training.errors import UserError
 
 def serve_demo(out: Path, *, transformer: Path, models: Path, prompt: str, steps: int = 4) -> dict[str, Path]:
     from training.model.tiny import TINY_RESOLUTION
-    from training.report.build import main as report_main
+    from training.report.cli import main as report_main
     from training.serve.bench import run_bench
     from training.serve.compile import compile_export
     from training.serve.export import build_serving_export

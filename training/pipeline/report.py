@@ -51,8 +51,8 @@ def cost_lines(bench: dict[str, Any], out: Path, *, samples: int, epochs: float)
     """The bench's numbers and training.report.build's cost-performance report of it in ``out``. The
     cost part is optional: an instance type the price table lacks is a WARN line in the report
     and the log, never a failed report (the bench numbers stay)."""
-    from training.report.build import Options
     from training.report.build import build as cost_report
+    from training.report.inputs import Options
 
     lines = ["## Throughput and cost", "", f"- {bench['samples_per_s']:.2f} samples/s on {bench['nodes']} x "
              f"{bench['instance_type']}, MFU {bench['mfu']}"]

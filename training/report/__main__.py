@@ -1,5 +1,5 @@
-"""``python -m training.report``: bench results + prices -> the cost-performance report (build.py)."""
+"""``python -m training.report``: bench results + prices -> the cost-performance report (cli.py)."""
 
-from training.report.build import main
+from training.report.cli import main
 
 main()

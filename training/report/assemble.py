@@ -1,7 +1,8 @@
 """The report's decision inputs in one place: its command-line flags, the price table they
 resolve to, and the report sections they add (stale-price warning, price sources, price
-scenarios, quality parity). ``training/report/build.py`` calls ``add_arguments``, ``options``,
-``resolve_prices`` and ``sections``; it keeps the bench arithmetic."""
+scenarios, quality parity). ``training/report/cli.py`` calls ``add_arguments``, ``options``
+and ``mfu_bands``; ``training/report/build.py`` calls ``resolve_prices`` and ``sections``.
+The bench arithmetic is ``training/report/runs.py``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 from training.errors import UserError
 from training.model import flops
 from training.report import aws_prices, mfu_evidence, parity, projection, scenarios
+from training.report.measured_points import best_measured, chart_workload, measured_points
 from training.report.prices import DEFAULT_PRICES, PriceTable, source_rows, stale_warning
 
 
@@ -125,8 +127,7 @@ def sections(d: DecisionOptions, *, table: PriceTable, proj_table: PriceTable, n
     after: list[str] = []
     gpu, trn = projection.pair(plats, q)
     if gpu is not None and trn is not None:
-        best = projection.best_measured(projection.measured_points(runs, projection.chart_workload(
-            runs, a, q.presets[0]))[0])
+        best = best_measured(measured_points(runs, chart_workload(runs, a, q.presets[0]))[0])
         g, t = best.get(gpu.instance_type), best.get(trn.instance_type)
         items = scenarios.scenarios(gpu, trn, proj_table, plan_discount=d.plan_discount, negotiated=d.negotiated)
         after += ["", *scenarios.section(gpu, trn, items, gpu_mfu=g.mfu if g else a.mid("gpu"),

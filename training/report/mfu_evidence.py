@@ -17,7 +17,7 @@ GPU band is, so that the band itself favours neither side. Sana (0.6B/1.6B, line
 depthwise 3x3 convolutions, narrow widths) is far smaller and less matmul-dense than Wan 14B,
 which pulls its MFU down; the GPU band therefore starts below the lowest Wan figure.
 
-A measured bench run replaces the band for its instance type (training/report/projection.py).
+A measured bench run replaces the band for its instance type (training/report/measured_points.py).
 """
 
 from __future__ import annotations
