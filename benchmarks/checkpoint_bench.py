@@ -104,7 +104,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, root: Path, port: i
             rep: int) -> None:
     """One measurement in a fresh process (so one phase's freed memory cannot hide the next
     one's growth): ``save`` or ``restore`` with format ``fmt``, or the EMA update timing."""
-    from training.checkpoint.checkpointer import CheckpointConfig, Checkpointer, TrainState
+    from training.checkpoint.checkpointer import Checkpointer
+    from training.checkpoint.config import CheckpointConfig
+    from training.checkpoint.train_state import TrainState
 
     backend, model, optimizer, ema = _setup(rank, world, args, port)
     shard_bytes = sum(p.to_local().numel() * 4 for p in model.parameters()) * 4  # weights + 2 moments + EMA

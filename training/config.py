@@ -21,7 +21,7 @@ import yaml
 
 from training.backends.gpu import PRECISIONS, GpuConfig
 from training.backends.neuron_config import NeuronConfig
-from training.checkpoint.checkpointer import CheckpointConfig
+from training.checkpoint.config import CheckpointConfig
 from training.data.loader import DataConfig
 from training.data.text_trim import TextTrimConfig
 from training.errors import UserError

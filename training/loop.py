@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from training.backends.base import Backend, Batch
-from training.checkpoint.checkpointer import Checkpointer, TrainState
+from training.checkpoint.checkpointer import Checkpointer
+from training.checkpoint.train_state import TrainState
 from training.config import TrainConfig
 from training.data.index import FeatureIndex
 from training.data.input_pipeline import LoaderPosition

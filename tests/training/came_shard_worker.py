@@ -43,7 +43,7 @@ def main() -> None:
     full = {n: torch.nn.Parameter(torch.randn(s)) for n, s in SHAPES.items()}
     shards = {n: torch.nn.Parameter(shard_rows(p.detach().clone(), rank, world)) for n, p in full.items()}
     reference, sharded = CAME(list(full.values()), **HYPER), CAME(list(shards.values()), **HYPER)
-    # the backend's own wiring (training/backends/neuron.py _shard_came), with gloo for XLA's all-reduce
+    # the backend's own wiring (training/backends/neuron_zero1.py Zero1._shard_came), with gloo for XLA's all-reduce
     sharded.shard(row_shards(((full[n], shards[n]) for n in SHAPES), lambda t: shard_rows(t, rank, world),
                              torch.device("cpu")), flat_reduce(all_reduce))
     gen = torch.Generator().manual_seed(1)

@@ -20,16 +20,12 @@ from faultproxy import FaultProxy
 from safetensors.torch import load_file
 
 from training.backends.gpu import GpuBackend, GpuConfig
-from training.checkpoint.checkpointer import (
-    CheckpointConfig,
-    Checkpointer,
-    TrainState,
-    capture_rng,
-    restore_rng,
-)
+from training.checkpoint.checkpointer import Checkpointer
+from training.checkpoint.config import CheckpointConfig
 from training.checkpoint.consolidate import load_full
 from training.checkpoint.layout import MANIFEST, find_latest, list_complete, sha256_file, verify
 from training.checkpoint.mirror import S3Mirror, live_checkpoints, read_head, remote_checkpoints
+from training.checkpoint.train_state import TrainState, capture_rng, restore_rng
 from training.data.loader import FeatureLoader
 from training.data.shards import write_synthetic_features
 from training.errors import UserError

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.checkpoint.checkpointer import map_data_position
 from training.checkpoint.consolidate import load_full
 from training.checkpoint.layout import FAULT_ENV, MANIFEST, find_latest, step_dir_name
 from training.checkpoint.sharded import Stager
 from training.checkpoint.shards import ShardReader, write_shard
+from training.checkpoint.train_state import map_data_position
 from training.errors import UserError
 from training.optim.sharding import chunk_rows, local_piece, placement_problem, sharded_state
 
@@ -199,7 +199,9 @@ def test_a_layout_the_sharded_format_cannot_store_is_refused_at_start_in_one_lin
     from torch.distributed.tensor import DTensor
 
     from training.backends.gpu import GpuBackend, GpuConfig
-    from training.checkpoint.checkpointer import CheckpointConfig, Checkpointer, TrainState
+    from training.checkpoint.checkpointer import Checkpointer
+    from training.checkpoint.config import CheckpointConfig
+    from training.checkpoint.train_state import TrainState
 
     Replicate, Shard, Partial, StridedShard = _placements()
     placement = {"Shard(1)": Shard(1), "_StridedShard": StridedShard(0, split_factor=2), "Partial": Partial()}[kind]
@@ -263,7 +265,9 @@ def test_data_position_maps_to_a_new_world_size_without_skipping_or_repeating(tm
 # ----- frozen parameters --------------------------------------------------------------------
 def test_frozen_parameters_are_not_saved_and_restore_is_strict_on_the_trainable_set(tmp_path):
     from training.backends.gpu import GpuBackend, GpuConfig
-    from training.checkpoint.checkpointer import CheckpointConfig, Checkpointer, TrainState
+    from training.checkpoint.checkpointer import Checkpointer
+    from training.checkpoint.config import CheckpointConfig
+    from training.checkpoint.train_state import TrainState
     from training.optim.ema import EMA, EmaConfig
 
     def build(frozen: str):
@@ -441,7 +445,9 @@ def test_a_rank_failing_to_create_the_save_dir_fails_the_job_in_seconds_with_its
 def _worker(argv: list[str]) -> None:
     """Restore ``source`` under this torchrun job, dump the full state, save it to ``dest``."""
     from training.backends.gpu import GpuBackend
-    from training.checkpoint.checkpointer import CheckpointConfig, Checkpointer, TrainState
+    from training.checkpoint.checkpointer import Checkpointer
+    from training.checkpoint.config import CheckpointConfig
+    from training.checkpoint.train_state import TrainState
     from training.config import load_config
     from training.data.loader import FeatureLoader
     from training.model.build import build_model

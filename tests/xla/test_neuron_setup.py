@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from training.backends.neuron import (
+from training.backends.neuron import NeuronBackend
+from training.backends.neuron_config import NeuronConfig
+from training.backends.neuron_runtime import (
     COMPILE_CACHE_ENV,
     STOCHASTIC_ROUNDING_ENV,
-    NeuronBackend,
     apply_neuron_env,
     neuron_status,
 )
-from training.backends.neuron_config import NeuronConfig
 from training.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,7 +113,7 @@ def test_xla_test_requirements_take_pins_from_the_neuron_file():
 
 
 def test_accelerator_names_match_the_flops_table():
-    from training.backends.neuron import neuron_accelerator
+    from training.backends.neuron_runtime import neuron_accelerator
     from training.model.flops import ACCELERATORS
 
     assert neuron_accelerator("trn1.32xlarge", {}) == "NeuronCore-v2"

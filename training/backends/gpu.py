@@ -14,7 +14,7 @@ Precision modes (TrainConfig.precision):
 - ``bf16``: refused here (``UserError``), on purpose. Pure bf16 weights and AdamW state
   with round-to-nearest lose every update below half a bf16 ulp (a norm weight at 1.0
   with lr 1e-4 never moves); Trainium makes that rounding unbiased with the runtime's
-  stochastic rounding (training/backends/neuron.py), CUDA has no such switch. The fix, fp32
+  stochastic rounding (training/backends/neuron_runtime.py), CUDA has no such switch. The fix, fp32
   master weights behind the bf16 model, *is* ``bf16-mixed`` with an extra bf16 copy: on
   GPU it would cost more memory than ``bf16-mixed`` (2 + 4 + 8 vs 4 + 8 bytes/parameter;
   FSDP's bf16 ``param_dtype`` already gathers and computes in bf16), so there is nothing

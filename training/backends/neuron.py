@@ -42,12 +42,16 @@ Precision modes (``TrainConfig.precision``), and the trade-off:
 In every mode the linear self-attention's matmuls and normaliser run in fp32, as NVlabs Sana
 trains: the model's processor (training/model/attention.py) disables ``torch.autocast("xla")``
 around them and casts q/k/v to fp32 (tests/xla/test_numerics_xla.py), and the timestep stays
-fp32 in pure bf16 (``_cast_floats_to_bf16``). CAME (``optim.name: came``, NVlabs Sana's
-optimizer) runs with ZeRO-1 too: its factored statistics shard by rows, and the sums over
-rows it needs are all-reduced over the ZeRO group (training/optim/came.py ``CAME.shard``). ZeRO-1
-reduce-scatters the gradients in fp32 (``higher_cc_precision``), whatever the weights' dtype:
-a bf16 sum over 32+ ranks loses the low bits of every gradient, where Sana's GPU training
-all-reduces fp32 gradients (its AMP keeps fp32 master weights).
+fp32 in pure bf16 (``_cast_floats_to_bf16``). ZeRO-1 (with AdamW or CAME) reduce-scatters
+the gradients in fp32 whatever the weights' dtype: training/backends/neuron_zero1.py.
+
+The pieces around this class, each with one job:
+
+- training/backends/neuron_runtime.py: the environment the runtime reads at start-up, what
+  is installed, which accelerator a rank drives, the compile counters;
+- training/backends/neuron_zero1.py: optimizer state before step 0, ZeRO-1 and its state in
+  checkpoints;
+- training/backends/neuron_config.py: the ``trainium:`` config section.
 
 State dicts leave this backend as the GPU backend's do (training/optim/sharding.py): full,
 CPU, name-keyed, complete on rank 0 and empty on the others; a device->host copy of every
@@ -72,132 +76,17 @@ from training.backends.base import Backend, Batch
 # cannot drift apart (gpu.py imports only torch, which this environment has).
 from training.backends.gpu import PRECISIONS, _cast_floats_to_bf16
 from training.backends.neuron_config import NeuronConfig
-from training.errors import UserError
-from training.optim.sharding import (
-    from_named_optimizer_state,
-    param_names,
-    to_named_optimizer_state,
-    zero1_rows_of,
+from training.backends.neuron_runtime import (
+    apply_neuron_env,
+    neuron_accelerator,
+    neuron_status,
+    xla_compile_stats,
 )
+from training.backends.neuron_zero1 import Zero1, init_adam_state
+from training.errors import UserError
+from training.optim.sharding import from_named_optimizer_state, to_named_optimizer_state
 
 log = logging.getLogger(__name__)
-
-#: set by the backend in precision "bf16"; see the module docstring
-STOCHASTIC_ROUNDING_ENV = "NEURON_RT_STOCHASTIC_ROUNDING_EN"
-COMPILE_CACHE_ENV = "NEURON_COMPILE_CACHE_URL"
-NO_SPECIAL_SCALARS_ENV = "XLA_NO_SPECIAL_SCALARS"
-ALLREDUCE_BUCKET_ENV = "ALLREDUCE_GRADIENTS_BUCKET_SIZE_MB"
-
-
-def neuron_status() -> tuple[bool, str]:
-    """Whether the Neuron pieces (torch-neuronx, its compiler) are importable, and why not.
-
-    They exist only on the Neuron pip repository (PyPI holds empty placeholders), so the
-    CPU test path runs without them; the answer goes into ``describe()`` and the log.
-    """
-    try:
-        import torch_neuronx  # noqa: F401
-    except ImportError as exc:
-        return False, (f"torch-neuronx not importable ({exc}); running torch-xla on PJRT_DEVICE="
-                       f"{os.environ.get('PJRT_DEVICE', '<unset>')}. On a trn node install "
-                       "training/requirements-neuron.txt with the Neuron pip index.")
-    return True, "torch-neuronx " + getattr(torch_neuronx, "__version__", "?")
-
-
-def neuron_accelerator(product_name: str | None = None, env: Mapping[str, str] | None = None) -> str:
-    """What one rank drives, named as in training/model/flops.py ACCELERATORS (for MFU).
-
-    trn1/trn1n: a NeuronCore-v2. trn2: a logical NeuronCore of 2 physical v3 cores at the
-    default NEURON_LOGICAL_NC_CONFIG=2 (one v3 core with 1). The instance family comes from
-    the DMI product name EC2 exposes (e.g. "trn1.32xlarge").
-    """
-    env = os.environ if env is None else env
-    if product_name is None:
-        try:
-            with open("/sys/devices/virtual/dmi/id/product_name") as fh:
-                product_name = fh.read().strip()
-        except OSError:
-            product_name = ""
-    if product_name.startswith("trn2") or product_name.startswith("trn3"):
-        return "NeuronCore-v3-LNC2" if env.get("NEURON_LOGICAL_NC_CONFIG", "2") == "2" else "NeuronCore-v3"
-    return "NeuronCore-v2"
-
-
-def apply_neuron_env(cfg: NeuronConfig, precision: str, env: dict[str, str] | None = None) -> dict[str, str]:
-    """Set the environment the Neuron runtime/compiler read at start-up; returns what it set.
-
-    Must run before the first XLA device is created: the runtime reads these once.
-
-    Args:
-        cfg: the trainium section.
-        precision: the run's precision mode.
-        env: the environment to edit (``os.environ`` by default; tests pass a dict).
-    """
-    env = os.environ if env is None else env
-    changed: dict[str, str] = {}
-
-    def put(key: str, value: str) -> None:
-        env[key] = value
-        changed[key] = value
-
-    if precision == "bf16" and cfg.stochastic_rounding:
-        current = env.get(STOCHASTIC_ROUNDING_ENV)
-        if current is None:
-            put(STOCHASTIC_ROUNDING_ENV, "1")
-        elif current != "1":
-            raise UserError(f"{STOCHASTIC_ROUNDING_ENV}={current}: precision 'bf16' keeps bf16 weights and "
-                            "needs stochastic rounding or small updates round away; unset it (the backend "
-                            "sets 1), use precision 'bf16-mixed', or set trainium.stochastic_rounding=false")
-    if NO_SPECIAL_SCALARS_ENV not in env:
-        # torch-xla bakes the Python scalars 0 and 1 into the graph as constants (any other
-        # value is a graph input). A learning rate that lands on exactly 0.0 (cosine at its end,
-        # a resumed run whose max_steps changed, warm-up from 0) would compile a new graph
-        # (minutes for 600M on Neuron). Measured in tests/xla/test_checkpoint_cross.py.
-        put(NO_SPECIAL_SCALARS_ENV, "1")
-    if cfg.compile_cache_url:
-        put(COMPILE_CACHE_ENV, cfg.compile_cache_url)
-    if cfg.cc_flags:
-        flags = env.get("NEURON_CC_FLAGS", "")
-        missing = [f for f in cfg.cc_flags.split() if f not in flags.split()]
-        if missing:
-            put("NEURON_CC_FLAGS", " ".join([*flags.split(), *missing]))
-    # Always, 0 included: torch-xla's Neuron start-up only setdefault()s 50 (torch_xla/_internal/
-    # neuron.py set_envvar_defaults), so an explicit value is the only way the config decides.
-    put(ALLREDUCE_BUCKET_ENV, str(cfg.allreduce_bucket_mb))
-    return changed
-
-
-def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create Adam/AdamW (or CAME) state now, as zeros on the device, exactly as its first
-    step would.
-
-    Without this, step 0 traces a different graph (it creates the moments) from every later
-    step: two neuronx-cc compiles of the full training graph instead of one (minutes each for
-    600M). Filling the state up front makes step 0 run the steady graph. Other optimizers are
-    left alone (they compile twice, correctly).
-    """
-    from training.optim.came import CAME
-
-    if isinstance(optimizer, CAME):
-        optimizer.init_state()
-        return
-    if not isinstance(optimizer, torch.optim.Adam):  # AdamW subclasses Adam in torch >= 2.6
-        return
-    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-    for group in optimizer.param_groups:
-        if group.get("capturable") or group.get("fused"):
-            return  # their step counter lives on the device: let torch create it
-        for p in group["params"]:
-            if optimizer.state.get(p):
-                continue
-            # Host zeros + one transfer: device data, not a traced fill op in the first graph.
-            state = {"step": torch.tensor(0.0, dtype=scalar),
-                     "exp_avg": torch.zeros(p.shape, dtype=p.dtype).to(p.device),
-                     "exp_avg_sq": torch.zeros(p.shape, dtype=p.dtype).to(p.device)}
-            if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=p.dtype).to(p.device)
-            optimizer.state[p] = state
-
 
 class NeuronBackend(Backend):
     """torch-xla backend for NeuronCores (one process per core under torchrun)."""
@@ -213,8 +102,7 @@ class NeuronBackend(Backend):
         self.neuron_available, self.neuron_note = False, "not initialised"
         self._owns_group = False
         self._host_group: Any = None  # gloo group for host-side agreement (see barrier)
-        self._zero: Any = None  # the ZeroRedundancyOptimizer, when cfg.zero1
-        self._zero_model: nn.Module | None = None
+        self._zero1: Zero1 | None = None  # when cfg.zero1: the ZeroRedundancyOptimizer and its state
         self.syncs = 0  # torch_xla.sync() calls made through sync(): one per optimizer step
 
     # ----- lifecycle ---------------------------------------------------------
@@ -304,47 +192,13 @@ class NeuronBackend(Backend):
         if not self.cfg.zero1:
             init_adam_state(optimizer)
             return optimizer
-        from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+        self._zero1 = Zero1(optimizer, self.unwrap(model), bucket_mb=self.cfg.zero1_bucket_mb,
+                            device=self.device, world_size=self.world_size)
+        return self._zero1.optimizer
 
-        # ZeRO-1 takes an optimizer *class*; ``make`` gives an instance. Its param_groups carry
-        # every hyper-parameter (lr, betas, eps, weight_decay, ...), so passing them as groups
-        # rebuilds the same optimizer over the shards. It holds no state yet, so nothing is lost.
-        # grad_clipping stays on so the wrapper computes the global norm over the reduced shards;
-        # clip_and_step sets max_norm per call (inf = measure only).
-        # Collectives as NxD configures its NeuronZero1Optimizer (a subclass of this one):
-        # pin_layout=False (neuronx-distributed docs, api_guide "Neuron Zero1 Optimizer"), and
-        # coalesced reduce-scatter / all-gather in trainium.zero1_bucket_mb buckets instead of
-        # one collective per parameter (torch_xla zero_redundancy_optimizer.py: a cap > 0
-        # turns on coalesce_cc_reduce_scatter / coalesce_cc_all_gather).
-        # higher_cc_precision: the reduce-scatter runs in optimizer_dtype (fp32), not in the
-        # gradients' bf16 (zero_redundancy_optimizer.py _reduce_gradients casts the padded
-        # gradient before the collective); see the module docstring.
-        bucket = self.cfg.zero1_bucket_mb
-        zero = ZeroRedundancyOptimizer(
-            [dict(group) for group in optimizer.param_groups], type(optimizer),
-            optimizer_dtype=torch.float32, grad_clipping=True, max_norm=float("inf"),
-            pin_layout=False, save_master_weights=False, higher_cc_precision=True,
-            bucket_cap_mb_all_gather=bucket, bucket_cap_mb_reduce_scatter=bucket)
-        self._zero, self._zero_model = zero, self.unwrap(model)
-        from training.optim.came import CAME
-
-        if isinstance(zero.base_optimizer, CAME):
-            self._shard_came(zero)
-        init_adam_state(zero.base_optimizer)
-        return zero
-
-    def _shard_came(self, zero: Any) -> None:
-        """Tell ZeRO's base CAME which rows of which full parameter each shard holds (real-row
-        masks as graph inputs) and how to sum over the ZeRO group: one all-reduce per phase."""
-        import torch_xla.core.xla_model as xm
-
-        from training.optim.came import flat_reduce, row_shards
-
-        groups = zero.sharding_groups
-        shards = row_shards(((param, shard) for _n, param, shard in self._zero_pairs(self._zero_model)),
-                            zero._shard_tensor, self.device)
-        zero.base_optimizer.shard(shards, flat_reduce(
-            lambda flat: xm.all_reduce(xm.REDUCE_SUM, flat, groups=groups, pin_layout=False)))
+    def _zero1_of(self, optimizer: torch.optim.Optimizer) -> Zero1 | None:
+        """The ZeRO-1 state when ``optimizer`` is the wrapper this backend built, else None."""
+        return self._zero1 if self._zero1 is not None and optimizer is self._zero1.optimizer else None
 
     # ----- the step -----------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -366,7 +220,7 @@ class NeuronBackend(Backend):
     def clip_and_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float
                       ) -> torch.Tensor:
         limit = float(max_norm) if max_norm > 0 else float("inf")
-        if optimizer is self._zero:
+        if self._zero1_of(optimizer) is not None:
             # The wrapper reduce-scatters the gradients, computes the global norm over the
             # shards (one extra all-reduce of a scalar), clips, steps and all-gathers weights.
             optimizer.max_norm = limit
@@ -441,27 +295,14 @@ class NeuronBackend(Backend):
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         inner = self.unwrap(model)
         self.barrier()
-        masters = self._gathered_masters(inner) if self._zero is not None and self.precision == "bf16" else {}
+        masters = (self._zero1.gathered_masters(inner, is_main=self.is_main)
+                   if self._zero1 is not None and self.precision == "bf16" else {})
         state: dict[str, torch.Tensor] = {}
         if self.is_main:
             state = {k: masters[k] if k in masters else v.detach().cpu().clone()
                      for k, v in inner.state_dict().items()}
         self.barrier()
         return state
-
-    def _gathered_masters(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """ZeRO-1 with bf16 weights keeps an fp32 master copy, sharded; a checkpoint gets that
-        (full, on rank 0) instead of the bf16 weights, so a resume restores the master shards
-        exactly (``_reshard_zero``) and a bf16 model loading it just casts. Collective."""
-        import torch_xla.core.xla_model as xm
-
-        pieces = [(name, param, xm.all_gather(shard.detach(), dim=0) if self.world_size > 1 else shard.detach())
-                  for name, param, shard in self._zero_pairs(model)]
-        self._flush()
-        if not self.is_main:
-            return {}
-        # slice the zero-padding off on the host: a device slice would be one more graph
-        return {name: full.cpu()[: param.shape[0]].clone() for name, param, full in pieces}
 
     def _all_ranks_have(self, state: Mapping[str, Any]) -> bool:
         """True when every rank was handed a non-empty state (the Checkpointer reads the files on
@@ -493,59 +334,19 @@ class NeuronBackend(Backend):
 
             xm.broadcast_master_param(inner)  # rank 0's weights to every rank, on device
             self._flush()
-            state = {k: v.detach().cpu() for k, v in inner.state_dict().items()} if self._zero else {}
-        if self._zero is not None and self._zero_model is inner:
-            self._reshard_zero(inner, state)
+            state = {k: v.detach().cpu() for k, v in inner.state_dict().items()} if self._zero1 is not None else {}
+        if self._zero1 is not None and self._zero1.model is inner:
+            self._zero1.reshard(inner, state)
         self._flush()
-
-    # ZeRO-1: each rank's optimizer holds an fp32 shard (rows [r*n/N, (r+1)*n/N) of the
-    # zero-padded first dimension) of every parameter, and AdamW state of that shard.
-    def _zero_pairs(self, model: nn.Module) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
-        names = param_names(model)
-        zero = self._zero
-        return [(names[id(p)], p, s)
-                for group, sgroup in zip(zero.param_groups, zero.base_optimizer.param_groups, strict=True)
-                for p, s in zip(group["params"], sgroup["params"], strict=True)]
-
-    def _reshard_zero(self, model: nn.Module, full: Mapping[str, torch.Tensor]) -> None:
-        """Refresh the optimizer's fp32 master shards from a loaded full state (else the next
-        step would all-gather the stale shards over the loaded weights)."""
-        for name, _param, shard in self._zero_pairs(model):
-            piece = self._zero._shard_tensor(full[name].detach().to(torch.float32))
-            shard.data = piece.to(self.device)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         inner = self.unwrap(model)
         self.barrier()
-        if optimizer is not self._zero:
+        zero1 = self._zero1_of(optimizer)
+        if zero1 is None:
             out = to_named_optimizer_state(inner, optimizer) if self.is_main else {}
-            self.barrier()
-            return out
-        import torch_xla.core.xla_model as xm
-
-        # Gather every shard's state into full tensors (collective), then keep them on rank 0.
-        base = self._zero.base_optimizer
-        state: dict[str, dict[str, Any]] = {}
-        for name, param, shard in self._zero_pairs(inner):
-            entry = base.state.get(shard)
-            if not entry:
-                continue
-            full_entry: dict[str, Any] = {}
-            for key, value in entry.items():
-                if zero1_rows_of(key, value):
-                    gathered = xm.all_gather(value, dim=0) if self.world_size > 1 else value
-                    value = gathered[: param.shape[0]]
-                full_entry[key] = value
-            state[name] = full_entry
-        self._flush()
-        out: dict[str, Any] = {}
-        if self.is_main:
-            names = param_names(inner)
-            out = {"state": {n: {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v)
-                                 for k, v in e.items()} for n, e in state.items()},
-                   "param_groups": [{**{k: v for k, v in g.items() if k != "params"},
-                                     "params": [names[id(p)] for p in g["params"]]}
-                                    for g in self._zero.param_groups]}
+        else:  # every shard's state gathered into full tensors (collective), kept on rank 0
+            out = zero1.gathered_state(inner, is_main=self.is_main)
         self.barrier()
         return out
 
@@ -556,50 +357,27 @@ class NeuronBackend(Backend):
             # Pickled through a rendezvous: fine for tests, slow for 1.6B (the Checkpointer
             # hands every rank the full state, so training never takes this path).
             state = self.broadcast_object(dict(state) if self.is_main else None)
-        if optimizer is not self._zero:
+        zero1 = self._zero1_of(optimizer)
+        if zero1 is None:
             from_named_optimizer_state(inner, optimizer, state)
             init_adam_state(optimizer)  # parameters the checkpoint had no state for
             self._flush()
             return
-        # Hyper-parameters go to the wrapper (the scheduler drives its param_groups); each rank
-        # slices its own rows of every full moment tensor into the base optimizer's state.
-        zero = self._zero
-        for group, saved in zip(zero.param_groups, state["param_groups"], strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        base = zero.base_optimizer
-        for name, _param, shard in self._zero_pairs(inner):
-            saved = state["state"].get(name)
-            if not saved:
-                continue
-            entry: dict[str, Any] = {}
-            for key, value in saved.items():
-                if zero1_rows_of(key, value):
-                    value = zero._shard_tensor(value.to(torch.float32)).to(self.device)
-                elif torch.is_tensor(value) and value.dim() > 0:  # CAME's column statistics: whole
-                    value = value.to(torch.float32).to(self.device)
-                entry[key] = value
-            base.state[shard] = entry
-        init_adam_state(base)
-        zero._sync_param_groups(zero.param_groups, base.param_groups)
-        self._flush()
+        zero1.load_full_state(inner, state)
 
     # Sharded checkpoints (training/checkpoint/sharded.py): under ZeRO-1 each rank writes its
-    # own optimizer shard, never all-gathered; the layout logic is in backends/state.py.
+    # own optimizer shard, never all-gathered (training/backends/neuron_zero1.py).
     def sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-        if optimizer is not self._zero:
+        zero1 = self._zero1_of(optimizer)
+        if zero1 is None:
             return super().sharded_state(model, optimizer)
-        from training.optim.sharding import zero1_sharded_state
-
-        self._flush()  # materialise the step's pending updates before the host copies
-        inner = self.unwrap(model)
-        return zero1_sharded_state(self._zero_pairs(inner), self._zero.base_optimizer.state, inner,
-                                   self._zero.param_groups, self.rank, self.world_size,
-                                   master_weights=self.precision == "bf16")
+        return zero1.sharded_state(self.unwrap(model), rank=self.rank, master_weights=self.precision == "bf16")
 
     def load_sharded_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, read: Any, *,
                            keys: set[str], values: Mapping[str, Any], param_groups: list[dict[str, Any]]) -> None:
         inner = self.unwrap(model)
-        if optimizer is not self._zero:
+        zero1 = self._zero1_of(optimizer)
+        if zero1 is None:
             # Every rank holds everything without ZeRO-1: read it all and load it the usual way
             # (``.data`` swaps, no copy traced into the next step's graph).
             from training.optim.sharding import full_from_reader
@@ -608,20 +386,7 @@ class NeuronBackend(Backend):
             self.load_model_state_dict(model, model_sd)
             self.load_optimizer_state_dict(model, optimizer, optim_sd)
             return
-        from training.optim.sharding import zero1_load_sharded_state
-
-        zero = self._zero
-        # Hyper-parameters from the checkpoint; the implementation keys (fused, foreach) stay this
-        # process's: a GPU checkpoint saved with fused AdamW must not ask XLA for a fused kernel.
-        from training.optim.factory import IMPLEMENTATION_KEYS
-
-        for group, saved in zip(zero.param_groups, param_groups, strict=True):
-            group.update({k: v for k, v in saved.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
-        zero1_load_sharded_state(self._zero_pairs(inner), zero.base_optimizer.state, inner, read, self.rank,
-                                 self.world_size, keys=keys, values=values, device=self.device)
-        init_adam_state(zero.base_optimizer)
-        zero._sync_param_groups(zero.param_groups, zero.base_optimizer.param_groups)
-        self._flush()
+        zero1.load_sharded_state(inner, read, rank=self.rank, keys=keys, values=values, param_groups=param_groups)
 
     def rng_state(self) -> dict[str, Any]:
         import torch_xla.core.xla_model as xm
@@ -646,32 +411,9 @@ class NeuronBackend(Backend):
 
     # ----- observability ------------------------------------------------------
     def compile_stats(self) -> dict[str, Any]:
-        """XLA compile count/seconds and host transfers so far in this process.
-
-        ``compiles`` counts graph compilations (on Neuron: neuronx-cc runs or compile-cache
-        loads); a number that still grows after warm-up means a recompiling step.
-        ``transfers_from_device`` counts device->host copies; ``local_scalar_dense`` counts
-        ``.item()``-style reads (each one stalls the step it happens in).
-        """
-        import torch_xla.debug.metrics as met
-
-        def metric(name: str) -> tuple[int, float]:
-            data = met.metric_data(name)
-            return (int(data[0]), float(data[1]) / 1e9) if data else (0, 0.0)
-
-        compiles, compile_s = metric("CompileTime")
-        # On-disk cache lookups by graph hash (torch-xla's persistent cache; on Neuron the
-        # compile cache neuron_parallel_compile fills). A miss is a graph nobody compiled before.
-        cache = {"persistent_cache_misses": int(met.counter_value("PersistentCacheMiss") or 0),
-                 "persistent_cache_loads": int(met.metric_data("PersistentCacheLoad")[0])
-                 if met.metric_data("PersistentCacheLoad") else 0}
-        transfers, transfer_s = metric("TransferFromDeviceTime")
-        executes, execute_s = metric("ExecuteTime")
-        return {"compiles": compiles, "compile_seconds": round(compile_s, 3),
-                "executions": executes, "execute_seconds": round(execute_s, 3),
-                "transfers_from_device": transfers, "transfer_seconds": round(transfer_s, 3),
-                "local_scalar_dense": int(met.counter_value("aten::_local_scalar_dense") or 0),
-                "syncs": self.syncs, **cache}
+        """XLA compile, execution and transfer counts so far in this process, and this
+        backend's step syncs (training/backends/neuron_runtime.py ``xla_compile_stats``)."""
+        return xla_compile_stats(self.syncs)
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {**super().describe(), "precision": self.precision,

@@ -7,7 +7,7 @@ branch when its manifest names the branch itself, or an ancestor at a step no la
 where the lineage left that ancestor. Resuming from an older step (or starting fresh) thus
 leaves the later checkpoints of the old trajectory off the lineage, whatever their step.
 
-Locally those are renamed ``abandoned-step-*`` (checkpointer.py); on S3, where nothing can
+Locally those are renamed ``abandoned-step-*`` (resume.py); on S3, where nothing can
 be renamed, the run's branch is published as ``<mirror>/branch.json`` (the *head*) before
 any of its manifests is uploaded, and restores and prunes take only checkpoints on the
 head's lineage (training/checkpoint/mirror.py). The head is one object replaced with one

@@ -1,246 +1,63 @@
-"""The Checkpointer: when to save, what goes in, where a run resumes from.
+"""The Checkpointer: when to save, what goes in, and the save's and the restore's
+collectives, on every rank.
 
 Everything needed to continue *bit-identically* goes in: weights, optimizer moments,
 LR-schedule position, EMA, data-loader position, step counters and every RNG stream. The
 default format is sharded and asynchronous (training/checkpoint/sharded.py); the old
-single-writer format (``checkpoint.format: full``, training/checkpoint/layout.py) is still
+single-writer format (``checkpoint.format: full``, training/checkpoint/full.py) is still
 written on request (benchmarks compare the two) and read everywhere: a run resumed from one
 saves its next checkpoint sharded. Same pattern as torchtitan's ``components/checkpointer``
 (fixed keys per Stateful) with the commit record of ``torch.distributed.checkpoint``
 (``.metadata`` written after the shards).
+
+This class orchestrates; the rules live beside it: the config section
+(training/checkpoint/config.py), counters, RNG, data position and the JSON record
+(training/checkpoint/train_state.py), what a run resumes from (training/checkpoint/resume.py),
+and the file layout (training/checkpoint/layout.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import random
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from training.backends.base import Backend
-from training.checkpoint import sharded
+from training.checkpoint import full, sharded
 from training.checkpoint.branch import Branch
+from training.checkpoint.config import CheckpointConfig
 from training.checkpoint.layout import (
-    EMA_FILE,
-    FORMAT,
     FORMAT_SHARDED,
     MANIFEST,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
     RNG_FILE,
     STATE_FILE,
-    STEP_RE,
     TMP_PREFIX,
-    commit_dir,
     done_file,
-    fault_point,
-    find_latest,
-    fsync_dir,
-    fsync_file,
     list_complete,
     log,
     rank_rng_file,
     read_manifest,
     recover_temp_dirs,
-    sha256_file,
     step_dir_name,
-    verify,
 )
+from training.checkpoint.resume import choose_resume, set_aside_later, warn_on_drift
 from training.checkpoint.shards import ShardReader
+from training.checkpoint.train_state import (
+    Stateful,
+    TrainState,
+    capture_rng,
+    jsonable,
+    map_data_position,
+    model_config,
+    restore_rng,
+)
 from training.errors import UserError
-from training.files import honour_umask
-
-_STEP_RE = STEP_RE
-_TMP_PREFIX = TMP_PREFIX
-FORMAT_NAMES = ("sharded", "full")
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
-
-
-@dataclass(kw_only=True)
-class CheckpointConfig:
-    """Where and how often checkpoints are written, and what a run resumes from."""
-
-    #: checkpoint root; relative paths are under the run's output_dir (default <output_dir>/checkpoints)
-    dir: str = "checkpoints"
-    #: save every N optimizer steps (0 = only when the loop forces a save, e.g. at the end)
-    every_steps: int = 500
-    #: keep the newest K complete local checkpoints (0 = keep all)
-    keep_last: int = 3
-    #: "auto" = newest complete checkpoint (local, else the S3 mirror) or a fresh start;
-    #: "none" = always fresh; otherwise a checkpoint dir, a checkpoint root or an s3:// URL of either
-    resume: str = "auto"
-    #: s3://bucket/prefix to mirror every completed checkpoint to (None = no mirror)
-    s3_mirror: str | None = None
-    #: keep the newest K checkpoints under s3_mirror (0 = keep all; the bucket's lifecycle rules decide)
-    s3_keep_last: int = 0
-    #: False = write no checkpoint (not even the loop's final forced save) and resume from none;
-    #: Trainium's --precompile sets it (neuron_parallel_compile's graphs return zeros)
-    enabled: bool = True
-    #: "sharded" (sana-checkpoint/2: every rank writes its own rows; reshardable N -> M) or
-    #: "full" (sana-checkpoint/1: rank 0 gathers and writes everything; the old path)
-    format: str = "sharded"
-    #: sharded format: write in the background; the step blocks only for the device-to-host copy
-    async_save: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.dir:
-            raise ValueError("checkpoint.dir: must not be empty; give a directory (default 'checkpoints')")
-        for name in ("every_steps", "keep_last", "s3_keep_last"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"checkpoint.{name}: must be an integer >= 0, got {value!r}")
-        if not isinstance(self.resume, str) or not self.resume:
-            raise ValueError("checkpoint.resume: use 'auto', 'none', a checkpoint path or an s3:// URL")
-        if self.format not in FORMAT_NAMES:
-            raise ValueError(f"checkpoint.format: {self.format!r} is not one of {FORMAT_NAMES}")
-        if self.s3_mirror is not None and not (self.s3_mirror.startswith("s3://") and len(self.s3_mirror) > 5):
-            raise ValueError(f"checkpoint.s3_mirror: {self.s3_mirror!r} is not an s3://BUCKET/PREFIX URL")
-
-
-@dataclass(kw_only=True)
-class TrainState:
-    """Counters the loop advances; saved under the fixed key ``train_state``."""
-
-    step: int = 0
-    samples_seen: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.samples_seen = int(state.get("samples_seen", 0))
-        self.extra = dict(state.get("extra", {}))
-
-
-# ----- RNG -----------------------------------------------------------------------------
-def capture_rng(backend: Backend | None = None) -> dict[str, Any]:
-    """Every RNG stream the step can draw from (numpy state as a tensor: loads with weights_only)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.uint32).astype(np.int64)),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "gauss": float(gauss)},
-        "torch": torch.get_rng_state(),
-        "backend": backend.rng_state() if backend is not None else {},
-    }
-
-
-def restore_rng(state: Mapping[str, Any], backend: Backend | None = None) -> None:
-    """Inverse of ``capture_rng``."""
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    npst = state["numpy"]
-    np.random.set_state((npst["kind"], npst["keys"].numpy().astype(np.uint32), npst["pos"],
-                         npst["has_gauss"], npst["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if backend is not None:
-        backend.set_rng_state(state.get("backend", {}))
-
-
-def _rng_file(rank: int) -> str:
-    return RNG_FILE if rank == 0 else f"rng-rank-{rank:05d}.pt"
-
-
-# ----- files (the v1 writer) ---------------------------------------------------------------
-def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w") as fh:
-        json.dump(obj, fh, indent=1, sort_keys=True, allow_nan=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _torch_save(obj: Any, path: Path) -> None:
-    with open(path, "wb") as fh:
-        torch.save(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _save_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> None:
-    """safetensors refuses shared storage (tied weights): give each tensor its own."""
-    seen: set[int] = set()
-    own: dict[str, torch.Tensor] = {}
-    for key, value in tensors.items():
-        value = value.detach().cpu().contiguous()
-        ptr = value.untyped_storage().data_ptr()
-        if ptr in seen and value.numel():
-            value = value.clone()
-        seen.add(ptr)
-        own[key] = value
-    save_file(own, str(path))
-    honour_umask(path)  # save_file writes 0600 whatever the umask (training/files)
-    fsync_file(path)
-
-
-def map_data_position(saved: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
-    """The loader position of a checkpoint, for a loader with another global batch (world size).
-
-    Relies on the loader's ``state_dict`` fields ``epoch``, ``step`` (loader batches done this
-    epoch) and ``global_batch`` (samples per loader batch over all ranks), and on its order
-    being one global permutation per epoch that ranks split (so it does not depend on the
-    world size). The position is ``step * global_batch`` samples into ``epoch``; when the new
-    global batch divides it, the loader continues at exactly that sample (its own
-    ``step * old // new``), else no whole step lands there and we refuse rather than skip or
-    repeat samples.
-    """
-    old, new = int(saved["global_batch"]), int(current["global_batch"])
-    if old == new:
-        return dict(saved)
-    offset = int(saved["step"]) * old
-    if offset % new:
-        raise UserError(f"checkpoint.resume: the data position ({offset} samples into epoch {saved['epoch']}, "
-                        f"global batch {old}) is not a whole number of steps of the new global batch {new}; "
-                        f"resume with a data.batch_size x world size that divides {offset}, or from another step")
-    return {**saved, "samples_in_epoch": offset}
-
-
-# ----- the checkpointer ------------------------------------------------------------------
-def resolve_checkpoint(source: str, cache_dir: str | Path | None = None, *, key: str = "checkpoint") -> Path:
-    """The complete checkpoint ``source`` names, for resuming and for export.
-
-    ``source`` is a ``step-XXXXXXXX`` directory, a checkpoint root or a run directory (its
-    newest complete checkpoint), local or ``s3://`` (fetched into ``cache_dir``). Anything
-    else is a UserError that starts with ``key`` (the config key or argument it came from).
-    """
-    if source.startswith("s3://"):
-        from training.checkpoint.mirror import fetch_checkpoint, fetch_latest
-
-        cache = Path(cache_dir or tempfile.mkdtemp(prefix="sana-checkpoint-"))
-        is_step = _STEP_RE.match(source.rstrip("/").rsplit("/", 1)[-1]) is not None
-        found = fetch_checkpoint(source, cache) if is_step else fetch_latest(source, cache)
-        if found is None:
-            raise UserError(f"{key}: {source} holds no complete checkpoint (with manifest.json) of its live branch "
-                            "(branch.json); check the URL, or give a step-XXXXXXXX URL to resume any one")
-        return found
-    path = Path(source)
-    if (path / MANIFEST).exists():
-        if verify(path) is None:
-            raise UserError(f"{key}: {path} is incomplete or corrupt (files do not match manifest.json); "
-                            "pick another step-* directory")
-        return path
-    for root in (path / "checkpoints", path):
-        if root.is_dir() and (found := find_latest(root)) is not None:
-            return found
-    raise UserError(f"{key}: {source} holds no complete checkpoint; give a step-XXXXXXXX directory, "
-                    "a checkpoint root or a run directory")
 
 
 class Checkpointer:
@@ -311,7 +128,7 @@ class Checkpointer:
 
     def _train_state(self, step: int, model: nn.Module, state: TrainState, sched_sd: Any, loader_sd: Any,
                      **extra: Any) -> dict[str, Any]:
-        return _jsonable({
+        return jsonable({
             "step": step,
             "samples_seen": state.samples_seen,
             "train_state": state.state_dict(),
@@ -319,7 +136,7 @@ class Checkpointer:
             "dataloader": loader_sd,
             "backend": self.backend.describe(),
             "world_size": self.backend.world_size,
-            "model_config": _model_config(self.backend.unwrap(model)),
+            "model_config": model_config(self.backend.unwrap(model)),
             "config": self.run_config,
             "provenance": self.provenance,
             **extra,
@@ -332,7 +149,7 @@ class Checkpointer:
         backend = self.backend
         rank, world = backend.rank, backend.world_size
         final = self.root / step_dir_name(step)
-        tmp = self.root / f"{_TMP_PREFIX}{step:08d}"
+        tmp = self.root / f"{TMP_PREFIX}{step:08d}"
         try:
             sharded_state = backend.sharded_state(model, optimizer)
             pieces = dict(sharded_state.pieces)
@@ -405,7 +222,7 @@ class Checkpointer:
         loader_sd = loader.state_dict() if loader is not None else None
         rng = capture_rng(backend)
         final = self.root / step_dir_name(step)
-        tmp = self.root / f"{_TMP_PREFIX}{step:08d}"
+        tmp = self.root / f"{TMP_PREFIX}{step:08d}"
         if backend.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -413,11 +230,12 @@ class Checkpointer:
         error: str | None = None
         if not backend.is_main:
             tmp.mkdir(parents=True, exist_ok=True)  # exists already on a shared filesystem
-            _torch_save(rng, tmp / _rng_file(backend.rank))
+            full.torch_save(rng, tmp / full.rng_file(backend.rank))
         else:
             try:
-                self._write_main(tmp, step=step, model=model, model_sd=model_sd, optim_sd=optim_sd,
-                                 ema_sd=ema_sd, sched_sd=sched_sd, loader_sd=loader_sd, rng=rng, state=state)
+                full.write_main(tmp, step=step, model_sd=model_sd, optim_sd=optim_sd, ema_sd=ema_sd, rng=rng,
+                                train_state=lambda ema_meta: self._train_state(step, model, state, sched_sd,
+                                                                               loader_sd, ema_meta=ema_meta))
             except OSError as exc:  # disk full, quota, permissions: rank 0 tells everyone below
                 error = f"{exc.strerror or exc} ({getattr(exc, 'filename', None) or tmp})"
         backend.barrier()  # every rank's RNG file is on disk
@@ -437,33 +255,9 @@ class Checkpointer:
         self.last_saved_step = step
         return final
 
-
-    def _write_main(self, tmp: Path, *, step: int, model: nn.Module, model_sd: Mapping[str, torch.Tensor],
-                    optim_sd: Any, ema_sd: Mapping[str, Any] | None, sched_sd: Any, loader_sd: Any,
-                    rng: Any, state: TrainState) -> None:
-        """Rank 0: every file except the manifest, each fsynced."""
-        fault_point(step, "start")
-        _save_tensors(model_sd, tmp / MODEL_FILE)
-        fault_point(step, "after-model")
-        _torch_save(optim_sd, tmp / OPTIMIZER_FILE)
-        ema_meta: dict[str, Any] | None = None
-        if ema_sd is not None:
-            ema_tensors, ema_meta = _split_tensors(ema_sd)
-            _save_tensors(ema_tensors, tmp / EMA_FILE)
-        _write_json(tmp / STATE_FILE, self._train_state(step, model, state, sched_sd, loader_sd, ema_meta=ema_meta))
-        _torch_save(rng, tmp / _rng_file(0))
-
     def _commit(self, tmp: Path, final: Path, step: int) -> None:
-        """Rank 0: manifest last, rename into place, then mirror and prune."""
-        fault_point(step, "before-manifest")
-        files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                 for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
-        _write_json(tmp / MANIFEST, {"format": FORMAT, "step": step, "files": files,
-                                     "world_size": self.backend.world_size, "branch": self.branch.to_json()})
-        fsync_dir(tmp)
-        fault_point(step, "before-rename")
-        commit_dir(tmp, final)
-        log.info("checkpoint saved: %s", final)
+        """Rank 0: commit (manifest last, rename into place: full.py), then mirror and prune."""
+        full.commit(tmp, final, step=step, world_size=self.backend.world_size, branch=self.branch)
         if self.mirror is not None:
             self.mirror.submit(final)
         self._prune()
@@ -489,7 +283,7 @@ class Checkpointer:
         error: str | None = None
         if self.backend.is_main:
             try:
-                found = self._resolve_on_main()
+                found = choose_resume(self.cfg, self.root)
                 path = str(found) if found is not None else None
             except UserError as exc:
                 error = str(exc)
@@ -497,19 +291,6 @@ class Checkpointer:
         if error:
             raise UserError(error)
         return Path(path) if path else None
-
-    def _resolve_on_main(self) -> Path | None:
-        resume = self.cfg.resume
-        if resume == "none" or not self.cfg.enabled:
-            return None
-        if resume == "auto":
-            found = find_latest(self.root)
-            if found is None and self.cfg.s3_mirror:
-                from training.checkpoint.mirror import fetch_latest
-
-                found = fetch_latest(self.cfg.s3_mirror, self.root)
-            return found
-        return resolve_checkpoint(resume, self.root, key="checkpoint.resume")
 
     def restore(self, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: Stateful | None = None, ema: Any = None,
@@ -530,30 +311,21 @@ class Checkpointer:
         if path is None:
             return None
         if backend.is_main:
-            self._set_aside_later(path)
+            set_aside_later(self.root, path)
         meta = json.loads((path / STATE_FILE).read_text())
         manifest = read_manifest(path) or {}
         if manifest.get("format") == FORMAT_SHARDED:
             self._load_sharded(path, meta, model=model, optimizer=optimizer, ema=ema)
             rng_path = path / rank_rng_file(backend.rank)
         else:  # sana-checkpoint/1: every rank reads the full files (fine for old checkpoints)
-            self._load_full(path, meta, model=model, optimizer=optimizer, ema=ema)
-            rng_path = path / _rng_file(backend.rank)
+            full.restore_full(backend, path, meta, model=model, optimizer=optimizer, ema=ema)
+            rng_path = path / full.rng_file(backend.rank)
         if scheduler is not None and meta.get("lr_scheduler") is not None:
             scheduler.load_state_dict(meta["lr_scheduler"])
         if loader is not None and meta.get("dataloader") is not None:
             loader.load_state_dict(map_data_position(meta["dataloader"], loader.state_dict()))
         state.load_state_dict(meta["train_state"])
-        if backend.is_main and (changes := _config_changes(meta.get("config") or {}, self.run_config)):
-            # Legitimate (a longer run, a new LR), but then the run is no longer the one saved.
-            log.warning("resuming with a changed config: %s", "; ".join(changes[:20]))
-        saved_threads = (meta.get("backend") or {}).get("intra_op_threads")
-        threads = backend.describe().get("intra_op_threads")
-        if backend.is_main and saved_threads is not None and threads is not None and saved_threads != threads:
-            # CPU only: the thread count changes the reduction order of every op, so the bits.
-            log.warning("%s: saved with %s intra-op CPU threads, resumed with %s: continuing is fine, "
-                        "bit-identity is not (set OMP_NUM_THREADS=%s to match)", path, saved_threads, threads,
-                        saved_threads)
+        warn_on_drift(path, meta, self.run_config, backend)
         if not rng_path.exists() or meta.get("world_size") != backend.world_size:
             # A different world size than the saving run: continuing is fine, bit-identity is not.
             log.warning("%s: no RNG state for rank %d (saved with world size %s); using rank 0's",
@@ -578,18 +350,6 @@ class Checkpointer:
                             f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; "
                             "set checkpoint.format=full for this layout")
 
-    def _load_full(self, path: Path, meta: Mapping[str, Any], *, model: nn.Module,
-                   optimizer: torch.optim.Optimizer, ema: Any) -> None:
-        backend = self.backend
-        backend.load_model_state_dict(model, load_file(str(path / MODEL_FILE)))
-        backend.load_optimizer_state_dict(model, optimizer,
-                                          torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True))
-        if ema is not None:
-            if not (path / EMA_FILE).exists():
-                raise UserError(f"{path}: has no {EMA_FILE} but this run keeps an EMA; resume from a "
-                                "checkpoint written with EMA on, or turn EMA off")
-            ema.load_state_dict(_join_tensors(load_file(str(path / EMA_FILE)), meta.get("ema_meta")))
-
     def _load_sharded(self, path: Path, meta: Mapping[str, Any], *, model: nn.Module,
                       optimizer: torch.optim.Optimizer, ema: Any) -> None:
         """Each rank reads only the rows it holds (mmap'd safetensors), whatever the saving
@@ -608,22 +368,6 @@ class Checkpointer:
                     raise UserError(f"{path}: has no EMA but this run keeps an EMA; resume from a "
                                     "checkpoint written with EMA on, or turn EMA off")
                 ema.load_pieces(reader, keys)
-
-    def _set_aside_later(self, resumed: Path) -> None:
-        """Resuming from an older checkpoint of this root abandons the later ones: rename them
-        so that a crash followed by ``--resume auto`` never jumps back onto that trajectory."""
-        match = _STEP_RE.match(resumed.name)
-        if match is None or resumed.resolve().parent != self.root.resolve():
-            return
-        step = int(match.group(1))
-        for later, path in list_complete(self.root):
-            if later > step:
-                target = path.with_name(f"abandoned-{path.name}")
-                n = 1
-                while target.exists():
-                    target, n = path.with_name(f"abandoned-{path.name}.{n}"), n + 1
-                log.warning("resuming from step %d: renaming the later %s to %s", step, path.name, target.name)
-                os.replace(path, target)
 
     def abandon(self) -> None:
         """The run failed on this rank (the loop's failure path): leave without waiting on any
@@ -655,85 +399,3 @@ class Checkpointer:
                 self.mirror.close(timeout_s=3600)
                 self._prune()
                 self.mirror = None
-
-
-# ----- helpers for state that is not a flat tensor dict ---------------------------------
-def _split_tensors(state: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Nested state -> (flat ``a/b`` keyed tensors for safetensors, JSON description of the rest).
-
-    Keys are joined with "/" because parameter names already contain dots.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] = {"tensors": [], "nested": {}, "values": {}}
-    for key, value in state.items():
-        key = str(key)
-        if isinstance(value, torch.Tensor):
-            tensors[prefix + key] = value
-            meta["tensors"].append(key)
-        elif isinstance(value, Mapping):
-            sub_t, sub_m = _split_tensors(value, prefix + key + "/")
-            tensors.update(sub_t)
-            meta["nested"][key] = sub_m
-        else:
-            meta["values"][key] = value
-    return tensors, meta
-
-
-def _join_tensors(tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any] | None,
-                  prefix: str = "") -> dict[str, Any]:
-    """Inverse of ``_split_tensors`` (``meta`` None: the file holds a flat tensor dict)."""
-    if meta is None:
-        return dict(tensors)
-    out: dict[str, Any] = dict(meta["values"])
-    out.update({key: tensors[prefix + key] for key in meta["tensors"]})
-    out.update({key: _join_tensors(tensors, sub, prefix + key + "/") for key, sub in meta["nested"].items()})
-    return out
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """``key: old -> new`` for each run-config value that differs (where to resume from aside)."""
-    old, new = _flatten(saved), _flatten(_jsonable(current))
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in sorted(old.keys() | new.keys())
-            if key != "checkpoint.resume" and old.get(key) != new.get(key)]
-
-
-def _model_config(model: nn.Module) -> dict[str, Any] | None:
-    """The diffusers config of the model (what export needs to rebuild it), if it has one."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    try:
-        # ``_use_default_values`` comes from a set: its order changes from process to process.
-        return _jsonable({k: v for k, v in dict(config).items()
-                          if not k.startswith("_") or k in ("_class_name", "_diffusers_version")})
-    except TypeError:
-        return None
-
-
-def _jsonable(obj: Any) -> Any:
-    """JSON-safe copy: tuples -> lists, Paths -> str; a tensor here is a bug in the caller."""
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, torch.Tensor):
-        if obj.numel() == 1:
-            return obj.item()
-        raise TypeError("train_state.json: a tensor in a scheduler/loader/config state; keep those small")
-    if obj is None or isinstance(obj, str | int | float | bool):
-        return obj
-    raise TypeError(f"train_state.json: cannot store {type(obj).__name__}")

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from training.checkpoint.checkpointer import resolve_checkpoint
 from training.checkpoint.consolidate import has_part, iter_full
 from training.checkpoint.layout import EMA_FILE, MANIFEST, MODEL_FILE, STATE_FILE
+from training.checkpoint.resume import resolve_checkpoint
 from training.data.text_features import CONDITIONING_FILE, TextConditioning
 from training.errors import UserError, exits_cleanly
 from training.files import honour_umask

@@ -279,7 +279,7 @@ def format_table(est: MemoryEstimate, *, limit_gib: float, device: str) -> str:
 def neuron_core_memory(instance_type: str | None = None) -> tuple[str, float]:
     """(name, GiB) of what one Trainium rank drives: from ``instance_type`` ("ml.trn2.48xlarge",
     "trn1.32xlarge") or, without one, this host's DMI product name (NeuronCore-v2 elsewhere)."""
-    from training.backends.neuron import neuron_accelerator
+    from training.backends.neuron_runtime import neuron_accelerator
     from training.model.flops import ACCELERATORS
 
     product = instance_type.removeprefix("ml.") if instance_type and instance_type != "local" else None
