@@ -61,7 +61,7 @@ from training.errors import UserError
 
 
 class Checkpointer:
-    """Called by the loop every step; decides itself when to write (STYLE.md rule 6).
+    """Called by the loop every step; decides itself when to write (CONTRIBUTING.md, 6).
 
     Collective calls run on every rank. In the sharded format every rank writes its own
     files and rank 0 the manifest; the checkpoint root must be a filesystem every rank sees
