@@ -14,7 +14,7 @@ and during restore (the kernel's RSS high-water mark, reset at the start of each
 one ``torch._foreach_lerp_``, interleaved too. Last, the same cost model applied to Sana 1.6B
 on 64 GPUs (8 x p5.48xlarge) with the bandwidths stated there.
 
-``--json PATH`` writes the numbers (tests/training/test_checkpoint_memory.py reads them).
+``--json PATH`` writes the numbers (tests/training/checkpoint/test_checkpoint_memory.py reads them).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@
 # --dry-run: the same steps on the tiny CPU config in a couple of minutes (compile with
 #   gpu.compile_backend=aot_eager: the graph counts are real, the kernels are not); figures
 #   a CPU cannot give are SKIP, the graph counts must pass. CI runs it
-#   (tests/training/test_gpu_check.py).
+#   (tests/training/perf/test_gpu_check.py).
 # --evaluate: only step 4, on the JSONs already in OUT_DIR (e.g. a committed result).
 # Result directory convention: benchmarks/results/<machine>/ (benchmarks/README.md).
 set -euo pipefail

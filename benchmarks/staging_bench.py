@@ -20,7 +20,7 @@ the largest tensor:
 - new: the Stager of training/checkpoint/sharded.py (a clone of the rows, the copy dropped).
 
 On PJRT CPU the device buffers live in host memory too; they exist before the baseline is
-taken, so the growth is the staging's alone. ``--json PATH`` writes the numbers (tests/training/test_checkpoint_memory.py reads them).
+taken, so the growth is the staging's alone. ``--json PATH`` writes the numbers (tests/training/checkpoint/test_checkpoint_memory.py reads them).
 """
 
 from __future__ import annotations

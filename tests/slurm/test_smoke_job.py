@@ -101,7 +101,7 @@ def test_smoke_sbatch_exits_non_zero_with_one_line_per_failure(slurm_cluster: Sl
     """A FAILED node status and an unreachable bucket: the job FAILS (exit 1) and the table
     has one FAIL line for each, naming the node's step and cause and the bucket. No
     accelerator partition here: those rows SKIP (nothing submitted)."""
-    from tests.training.test_smoke import status_line
+    from tests.training.smoke.test_smoke import status_line
 
     fsx = site
     (fsx / "logs" / "provision" / "trn-7.status").write_text(status_line(
@@ -125,7 +125,7 @@ def test_smoke_sbatch_local_path_passes_every_row(slurm_cluster: SlurmCluster, s
     """`sbatch smoke.sbatch` as the unprivileged job user, from the read-only installed
     package: every row of the local path PASSes and the job exits 0."""
     xla_python()  # the Trainium sub-job runs in it
-    from tests.training.test_smoke import ready  # the READY line in readiness.sh's format
+    from tests.training.smoke.test_smoke import ready  # the READY line in readiness.sh's format
 
     fsx = site
     (fsx / "logs" / "provision" / f"{slurm_cluster.node}.status").write_text(ready(slurm_cluster.node, "127.0.0.1"))

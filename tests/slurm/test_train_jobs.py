@@ -359,7 +359,7 @@ def test_precompute_sbatch_as_root_writes_features(slurm_cluster: SlurmCluster, 
     info = slurm_cluster.wait(job_id, timeout=JOB_TIMEOUT)
     assert info["JobState"] == "COMPLETED", job_failure(slurm_cluster, site, info, job_name, job_id)
 
-    # One rank keeps this cheap; the rank split itself is tests/training/test_precompute.py's.
+    # One rank keeps this cheap; the rank split itself is tests/training/data/test_precompute.py's.
     index = json.loads((out / "index.json").read_text())
     assert index["num_samples"] == 6 and len(index["shards"]) == 2
     job_log = (site.log_dir(job_name, job_id, user="root") / "job.log").read_text()

@@ -132,7 +132,7 @@ def test_lr_schedule() -> None:
     assert [lr_multiplier(s, cfg=const, max_steps=9) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
 
 
-# precision "bf16" is refused on the GPU backend (tests/training/test_numerics.py); its
+# precision "bf16" is refused on the GPU backend (tests/training/model/test_numerics.py); its
 # pure-bf16 path lives on Trainium (tests/xla).
 @pytest.mark.parametrize("precision", ["bf16-mixed"])
 def test_bf16_paths_on_tiny(features: Path, tmp_path: Path, precision: str) -> None:

@@ -96,7 +96,7 @@ def test_zero1_sharded_checkpoint_writes_the_shard_state_and_loads_it_back(one_s
     """The sharded save path with the real ZeroRedundancyOptimizer (shard count 1 on PJRT
     CPU): moments come from the base optimizer's shards (no all-gather), move to the host one
     tensor at a time, and load back into the shards exactly. N -> M shard counts are
-    tested on the same functions in tests/training/test_checkpoint_sharded.py."""
+    tested on the same functions in tests/training/checkpoint/test_checkpoint_sharded.py."""
     from training.checkpoint.sharded import Stager
     from training.checkpoint.shards import ShardReader, write_shard
 
@@ -138,7 +138,7 @@ def came_steps(features):
 def test_came_zero1_step_on_xla_matches_unsharded_came(came_steps):
     """The ZeRO-1 wrapper's real path (reduce-scatter, the base CAME over fp32 shards with its
     row sums all-reduced, global-norm clip, all-gather) gives the unsharded CAME's update.
-    Sharding across more than one rank over real collectives: tests/training/test_came_sharded.py."""
+    Sharding across more than one rank over real collectives: tests/training/optim/test_came_sharded.py."""
     from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
     from training.optim.came import CAME

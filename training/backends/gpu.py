@@ -308,7 +308,7 @@ class GpuBackend(Backend):
         ``_dynamo_disable``): a unit nested inside a block would put a graph break inside
         the block's forward, and with activation checkpointing that break falls inside the
         checkpoint region, where dynamo cannot resume, so the whole block ran eagerly
-        (tests/training/test_compile.py counts the graphs).
+        (tests/training/model/test_compile.py counts the graphs).
 
         Precision: every unit keeps its parameters in fp32 (no ``param_dtype``) and casts no
         forward inputs (``cast_forward_inputs=False``); in ``bf16-mixed`` autocast casts each

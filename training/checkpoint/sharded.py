@@ -99,7 +99,7 @@ class Stager:
                 # view) would keep the whole copy alive until the write ends, and with the
                 # weights and moments replicated on every NeuronCore (no ZeRO-1) each process
                 # would hold all of the state. Host memory per process while staging: its own
-                # rows plus one full tensor in flight (tests/training/test_checkpoint_memory.py).
+                # rows plus one full tensor in flight (tests/training/checkpoint/test_checkpoint_memory.py).
                 out[key] = (_own_rows(src.cpu(), piece), piece.row0, piece.shape)
                 continue
             rows = src if piece.lo is None else src[piece.lo:piece.hi]

@@ -44,7 +44,7 @@ VAE_STRIDE = 32
 
 #: NVlabs Sana diffusion/data/datasets/utils.py ``ASPECT_RATIO_512`` (S = 512**2 pixels): ratio h/w ->
 #: (h, w). ``ASPECT_RATIO_1024`` is every side x2 and ``ASPECT_RATIO_2048`` x4 there, entry for
-#: entry (tests/training/test_buckets.py checks all three against Sana's literals).
+#: entry (tests/training/data/test_buckets.py checks all three against Sana's literals).
 _SANA_512: dict[str, tuple[int, int]] = {
     "0.25": (256, 1024), "0.26": (256, 992), "0.27": (256, 960), "0.28": (256, 928),
     "0.32": (288, 896), "0.33": (288, 864), "0.35": (288, 832), "0.4": (320, 800),

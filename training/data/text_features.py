@@ -246,7 +246,7 @@ def encode_captions(captions: Sequence[str], tokenizer, text_encoder, *, max_tok
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Padded embeddings ``[B, max_tokens, D]`` and mask ``[B, max_tokens]`` (in the text
     encoder's dtype, on its device). ``caption_text="diffusers"`` gives exactly what
-    SanaPipeline.encode_prompt gives (tests/training/test_precompute.py)."""
+    SanaPipeline.encode_prompt gives (tests/training/data/test_precompute.py)."""
     device = next(text_encoder.parameters()).device
     tokenizer.padding_side = "right"
     prompts = caption_prompts(captions, caption_text)

@@ -20,7 +20,7 @@ keeping the first ``L >= longest`` columns keeps all of them. The objective's nu
 its own mask, so only its first ``len(caption) <= L`` null rows are attended (the trim is
 exact for dropped captions too); ``floor`` keeps the trim at or above a minimum length
 (the loop passes the null caption's own real tokens).
-tests/training/test_text_trim.py checks loss and gradients on a trimmed batch against the
+tests/training/data/test_text_trim.py checks loss and gradients on a trimmed batch against the
 untrimmed one.
 
 The XLA backend keeps the fixed length (``Backend.trims_text`` is False there): every new

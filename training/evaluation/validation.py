@@ -16,7 +16,7 @@ The grid goes to ``<output_dir>/validation/step-XXXXXXXX.png`` and to TensorBoar
 (``validation/grid``). The noise is drawn once from the validation's own
 ``torch.Generator(seed)``, and the render runs inside a saved-and-restored RNG state (CPU,
 CUDA, Python, NumPy), so training's random streams - and with them bit-identical resume -
-do not depend on whether validation is on (tests/training/test_validation.py). The
+do not depend on whether validation is on (tests/training/evaluation/test_validation.py). The
 backend's device RNG (CUDA, or XLA's seed, which diffusers' per-step ``xm.mark_step()``
 would otherwise advance on Trainium) is saved and restored around the render as well.
 

@@ -16,7 +16,7 @@ training.trainium alike):
    A rank whose collective fails first (gloo notices a closed peer at once) takes the same
    path as soon as the marker is there.
 
-Measured bound (tests/training/test_failures.py, 2 and 4 gloo ranks on 2 shared cores): every
+Measured bound (tests/training/failure/test_failures.py, 2 and 4 gloo ranks on 2 shared cores): every
 process gone within a few seconds of the failure, against 30 minutes of the NCCL watchdog.
 
 Backstops for what leaves no marker (SIGKILL, the OOM killer, a segfault): torchrun stops the

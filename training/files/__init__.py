@@ -2,7 +2,7 @@
 
 safetensors' ``save_file`` (and so diffusers' ``save_pretrained`` and ``save_lora_weights``)
 creates its file mode 0600 whatever the process umask (measured with the pinned safetensors
-0.8.0: 0o600 under umask 022, where ``open()`` gives 0o644; tests/training/test_file_modes.py),
+0.8.0: 0o600 under umask 022, where ``open()`` gives 0o644; tests/training/checkpoint/test_file_modes.py),
 so a colleague in the cluster group cannot read an exported model, a feature directory's
 validation prompts or a checkpoint. ``honour_umask`` gives such files the mode ``open()`` would have given them:
 0666 & ~umask (0644 under 022, 0640 under 027, 0600 under 077: the user's choice, either way).

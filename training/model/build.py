@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 #: Preset name -> ``SanaTransformer2DModel`` kwargs. The big ones follow the issue's
 #: shapes (NVlabs Sana_600M_img512 / Sana_1600M_1024px configs); parameter counts are
-#: 591.7M and 1604.5M (checked on the meta device in tests/training/test_model.py).
+#: 591.7M and 1604.5M (checked on the meta device in tests/training/model/test_model.py).
 PRESETS: dict[str, dict[str, Any]] = {
     # diffusers' own SanaTransformer2DModel test config (tests/models/transformers/
     # test_models_transformer_sana.py): ~4.3k parameters, ~0.01-0.04 s/step fp32 on CPU.

@@ -18,7 +18,7 @@ Differences from torchtitan, on purpose:
   forward and the block, its checkpoint region included, is one graph with no break. Under
   bf16 autocast block 0 receives the bf16 patch embedding and later blocks the fp32 residual
   stream, so a run compiles two graphs per shape, whatever the depth
-  (tests/training/test_compile.py counts them with ``compile_stats``).
+  (tests/training/model/test_compile.py counts them with ``compile_stats``).
 - The inductor cache (``TORCHINDUCTOR_CACHE_DIR`` with the FX-graph cache on) lives on
   shared storage for the cluster, per user: a restart or the next job on any node loads
   compiled kernels instead of compiling again (torch docs "Compile Time Caching

@@ -11,7 +11,7 @@ Model Training", sec. 5.1); it is < 1% of the matmul FLOPs at these widths. A tr
 is counted as 3x the forward (backward = grad-input + grad-weight = 2x forward); the exact
 backward is a little cheaper because the patch embedding and the first caption projection
 need no grad-input, which the counter sees and which is < 1% at 512 px
-(tests/training/test_flops.py measures the difference against the counter).
+(tests/training/model/test_flops.py measures the difference against the counter).
 
 Per sample, with L = (H/p)*(W/p) image tokens, T = text tokens (padded length: shapes are
 static), D = heads*head_dim, Dc = cross_heads*cross_head_dim, Dx = cross_attention_dim,

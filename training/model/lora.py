@@ -237,7 +237,7 @@ def train_flops_per_sample(
     With activation checkpointing ``apply_lora`` makes the patch embedding's output carry a
     gradient (reentrant checkpointing needs it), which adds block 0's q/k/v input gradients
     (< 1% at 20+ blocks); recomputation is not counted, as for full training.
-    tests/training/test_lora.py checks this against torch's FlopCounterMode.
+    tests/training/model/test_lora.py checks this against torch's FlopCounterMode.
     """
     from training.model import flops
     c = {**flops._SANA_DEFAULTS, **dict(model_kwargs)}

@@ -6,7 +6,7 @@ Our own implementation of the update in NVlabs/Sana diffusion/utils/optimizer.py
 with one change: a 4-D weight is factored only when it is a 1x1 conv (over its two channel
 dims); other convs (GLUMBConv's 3x3 depthwise) keep a full second moment, where came-pytorch
 would factor their 3x3 kernel dims. For 2-D weights and 1-D tensors the two agree, and
-tests/training/test_optim.py checks ours against came-pytorch there, update for update.
+tests/training/optim/test_optim.py checks ours against came-pytorch there, update for update.
 
 Per parameter, with g the gradient (in fp32), betas (b1, b2, b3), eps (e1, e2):
 
@@ -35,7 +35,7 @@ then sums those quantities over its real rows, reduces them, and divides by the 
 count, so every rank computes the update of the unsharded CAME on its rows. The sums of all
 parameters go out together: three all-reduces per step (after the squared gradient, after
 the update, after the instability). The column statistics come out equal on every rank and
-are kept whole there (``REPLICATED_STATE``); tests/training/test_came_sharded.py checks the
+are kept whole there (``REPLICATED_STATE``); tests/training/optim/test_came_sharded.py checks the
 sharded step against the unsharded one over real collectives (gloo), padding included.
 """
 
@@ -218,7 +218,7 @@ class _Item:
     """One parameter's step, in the phases the optimizer interleaves with its reductions.
 
     Unsharded, every phase computes exactly came-pytorch's expressions (bit for bit:
-    tests/training/test_optim.py); sharded, the means over rows become sums over the real
+    tests/training/optim/test_optim.py); sharded, the means over rows become sums over the real
     rows, reduced across ranks, over the full row count."""
 
     def __init__(self, p: torch.Tensor, group: dict[str, Any], grad: torch.Tensor, state: dict[str, Any],

@@ -1,6 +1,6 @@
 """``python -m training.bench --memory-table``: the per-GPU memory estimate
 (training/perf/memory.py) of each GPU config for every mesh and activation-checkpointing mode,
-as the Markdown runbooks/train-gpu.md pastes (tests/training/test_memory.py checks that the
+as the Markdown runbooks/train-gpu.md pastes (tests/training/perf/test_memory.py checks that the
 pasted table is this function's output). Nothing is built or run.
 """
 

@@ -6,7 +6,7 @@ step.
 Why its own module: it measures the loop itself rather than a configuration's throughput, so
 it builds its own bare step (``BareStep``), sizes its batch to the machine it runs on
 (``calibrate_batch``) and times CPU seconds in adjacent pairs; none of that is part of a
-bench run (training/perf/measure.py). tests/training/test_bench.py runs it.
+bench run (training/perf/measure.py). tests/training/perf/test_bench.py runs it.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ not a handicap of the baseline:
   ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)``. The script's ``get_sigmas`` looks each
   timestep up with ``(schedule_timesteps == t).nonzero().item()`` (one host sync per sample);
   here ``sigmas[indices]`` on the device, the same values (the timestep at an index is
-  unique in the schedule; tests/training/test_bench.py) without a sync;
+  unique in the schedule; tests/training/perf/test_bench.py) without a sync;
 - ``noisy = (1 - sigma) * x + sigma * noise``, target ``noise - x``, loss = per-sample mean of
   ``weighting * (pred.float() - target.float()) ** 2`` then the mean (``weighting`` = 1 for
   logit_normal: ``compute_loss_weighting_for_sd3``);

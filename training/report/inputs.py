@@ -3,7 +3,7 @@ target, the FSx figures, the projection's assumptions and question, the decision
 the readers that fill it from outside files: bytes per sample and mean real caption tokens of
 a feature index, and the provisioned FSx throughput from cdk.json.
 
-Definitions (tests/report/test_report.py checks these by hand):
+Definitions (tests/training/report/test_report.py checks these by hand):
 - FSx provisioned (PERSISTENT_2) = storage TiB x throughput per TiB (MB/s/TiB)
 """
 

@@ -12,7 +12,7 @@ range, and the assumptions (MFU band, scaling efficiency per node count, price d
 printed beside the figures they drive. When bench JSONs arrive they sit on the same curves and
 replace the assumed MFU.
 
-Formulas (tests/report/test_projection.py checks them by hand):
+Formulas (tests/training/report/test_projection.py checks them by hand):
 - instance peak R = dense peak per device (TFLOP/s, for the precision) x 1e12 x devices per instance
 - samples/s per instance at MFU m = m x R / F, F = training FLOPs per sample (real tokens, below)
 - cost per million samples = USD/h / (samples/s per instance x 3600) x 1e6 = USD/h x F x 1e6 / (3600 m R)

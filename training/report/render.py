@@ -3,7 +3,7 @@ decision sections in their place, then runs, throughput, cost, time and cost to 
 scaling, MFU, memory and compilation, the FSx capacity note, notes and versions) and the
 projection-only report of ``--project`` without result files.
 
-Definitions (tests/report/test_report.py checks these by hand):
+Definitions (tests/training/report/test_report.py checks these by hand):
 - FSx need = bytes per sample x total samples/s (every sample is read once per epoch)
 """
 

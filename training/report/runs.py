@@ -4,7 +4,7 @@ head-to-head and the scaling table. Everything here is arithmetic on measured fi
 text and the charts built from it are training/report/render.py, recommendation.py and
 charts.py.
 
-Definitions (tests/report/test_report.py checks these by hand):
+Definitions (tests/training/report/test_report.py checks these by hand):
 - cost per million samples = USD/h per instance / (samples/s per instance x 3600) x 1e6
 - time to target = dataset samples x epochs / total samples/s
 - cost to target = time to target (h) x USD/h per instance x nodes

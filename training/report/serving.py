@@ -7,7 +7,7 @@ is the same for both platforms, so the band favours neither. Measured serving be
 (training/serve/bench.py JSON, ``python -m training.report --serving FILE``) are added as rows
 next to it with the MFU their latency implies.
 
-Formulas (tests/serve/test_cost.py checks them by hand):
+Formulas (tests/training/serve/test_cost.py checks them by hand):
 - FLOPs per image = text encoder (prompt with CHI + negative) + steps x transformer forward x
   guidance batch (2) + DC-AE decode
 - seconds per image at MFU m = FLOPs per image / (m x peak x 1e12)   (one image at a time)

@@ -1,9 +1,0 @@
-"""Helpers shared by the tests/serve modules (imported by name: tests/serve is on sys.path)."""
-
-from __future__ import annotations
-
-import json
-
-
-def request_body(**fields) -> bytes:
-    return json.dumps({"prompt": "a small red circle on a blue background", "steps": 2, "seed": 1, **fields}).encode()
