@@ -14,8 +14,9 @@ so the prices you pay can be entered and the tables regenerated.
 Fixed costs are what the resources bill by the hour or month whatever is done with them; what
 depends on use (GB stored in S3 and ECR, log and metric volume, NAT or endpoint traffic,
 CloudTrail events, Grafana users) is listed with its unit price, never guessed. A fixed line whose
-price the table lacks (the MLflow tracking server: no public figure was found) is listed as not
-priced, outside the totals, rather than failing a teardown's closing summary. A month is 730
+price the table lacks (the MLflow tracking server: no public figure was found; an instance type
+the table leaves out, such as ml.trn2.48xlarge) is listed as not priced, outside the totals,
+rather than failing a teardown's closing summary. A month is 730
 hours, the convention of AWS's price pages. Plain data: no aws_cdk import (it runs in the deploy
 venv, requirements-deploy.txt).
 """
@@ -81,7 +82,8 @@ class Line:
     prices: tuple[str, ...] = ()
     """The price table entries the line is priced from (``platform`` keys or ml.* types)."""
     unpriced: str = ""
-    """A fixed line whose ``platform`` entry the table lacks: that key; the line is outside the totals."""
+    """A fixed line whose price the table lacks: the entry to add (``prices.<ml type>``,
+    ``platform.<key>``); the line is listed outside the totals."""
 
 
 def until_removed(stack: str) -> tuple[str, ...]:
@@ -129,7 +131,7 @@ def instance_price(table: PriceTable, prices: dict[str, UnitPrice], instance_typ
     if instance_type in prices and prices[instance_type].per == "hour":
         return prices[instance_type].usd
     raise UserError(f"no price for {instance_type} in {table.path}: add platform.{instance_type} (usd, per: hour) "
-                    "or prices.{instance_type}")
+                    f"or prices.{instance_type}")
 
 
 def serving_price(table: PriceTable, instance_type: str) -> float:
@@ -166,10 +168,16 @@ def _compute_lines(cfg: PlatformConfig, table: PriceTable, prices: dict[str, Uni
     for group, instance_type, count, ebs in nodes:
         if not count:
             continue
-        price = instance_price(table, prices, instance_type)
-        out.append(Line(item=f"{group} nodes ({instance_type})", stack="cluster", usd_per_hour=count * price,
-                        how=f"{count} x ${price:g}/h", prices=(instance_type,)))
         ebs_gib += count * ebs
+        item = f"{group} nodes ({instance_type})"
+        try:
+            price = instance_price(table, prices, instance_type)
+        except UserError:  # a type the table leaves out on purpose (ml.trn2, ml.p5e: training/prices.yaml)
+            out.append(Line(item=item, stack="cluster", unpriced=f"prices.{instance_type}",
+                            how=f"{count} x (no price in the table: add prices.{instance_type}, usd_per_hour)"))
+            continue
+        out.append(Line(item=item, stack="cluster", usd_per_hour=count * price, how=f"{count} x ${price:g}/h",
+                        prices=(instance_type,)))
     if cfg.serving:
         price = serving_price(table, cfg.servingInstanceType)
         out.append(Line(item=f"serving endpoint ({cfg.servingInstanceType}, 1 to {cfg.servingMaxInstances} instances)",
@@ -222,7 +230,7 @@ def _observability_lines(cfg: PlatformConfig, prices: dict[str, UnitPrice]) -> l
     item, kept = "SageMaker MLflow tracking server (Small)", until_removed("observability")
     price = prices.get(MLFLOW_PRICE)
     if price is None or price.per != "hour":
-        return [Line(item=item, stack="observability", kept_after=kept, unpriced=MLFLOW_PRICE,
+        return [Line(item=item, stack="observability", kept_after=kept, unpriced=f"platform.{MLFLOW_PRICE}",
                      how=f"no price in the table: add platform.{MLFLOW_PRICE} (per: hour)")]
     return [Line(item=item, stack="observability", kept_after=kept, usd_per_hour=price.usd, how=f"1 x ${price.usd:g}/h",
                  prices=(price.name,))]
@@ -315,7 +323,7 @@ def kept(rows: list[Line], step: str) -> str:
     for r in rows:
         if step in r.kept_after:
             if r.unpriced:
-                cost = f"not priced (add platform.{r.unpriced} to the price table)"
+                cost = f"not priced (add {r.unpriced} to the price table)"
             else:
                 cost = f"{_money(r.usd_per_hour * HOURS_PER_MONTH)}/month" if not r.usage else r.how
             out.append(f"  - {r.item} [{r.stack}]: {cost}")

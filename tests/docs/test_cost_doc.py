@@ -142,7 +142,7 @@ def test_an_unpriced_mlflow_server_is_listed_outside_the_totals_and_the_teardown
     still run (it follows the destroy) and name what to enter; a price file with one prices it."""
     rows = rows_for("mlflowTrackingServer=true")
     server = line(rows, "SageMaker MLflow tracking server")
-    assert server.unpriced == cost.MLFLOW_PRICE and server.kept_after == ("teardown",)
+    assert server.unpriced == f"platform.{cost.MLFLOW_PRICE}" and server.kept_after == ("teardown",)
     assert cost.hourly(rows) == cost.hourly(default_rows())
     run = [sys.executable, "-m", "stacks.cost"]
     out = subprocess.run([*run, "kept", "--after", "teardown", "-c", "mlflowTrackingServer=true"], cwd=REPO,
@@ -175,3 +175,19 @@ def test_accounting_keeps_its_secret_after_teardown_all_and_its_database_until_t
     assert secret.kept_after == ("teardown", "teardown-all")  # dataRemovalPolicy=retain (cdk.json)
     gone = rows_for("slurmAccounting=true", "dataRemovalPolicy=destroy")
     assert cost.hourly(gone, "teardown-all") == 0.0
+
+
+def test_an_instance_type_the_table_leaves_out_is_listed_not_priced_and_teardown_still_summarizes():
+    """ml.trn2.48xlarge has no dated price (training/prices.yaml says why): a deployment of it
+    still gets `make teardown`'s closing summary, and the tables say which entry to add."""
+    run = [sys.executable, "-m", "stacks.cost", "-c", "trnInstanceType=ml.trn2.48xlarge"]
+    out = subprocess.run([*run[:3], "kept", "--after", "teardown", *run[3:]], cwd=REPO, capture_output=True, text=True)
+    after = cost.hourly(default_rows(), "teardown") * cost.HOURS_PER_MONTH  # the trn nodes are gone by then anyway
+    assert out.returncode == 0 and f"fixed total: ${after:,.2f}/month, plus what is billed by use" in out.stdout, \
+        out.stderr
+    rows = rows_for("trnInstanceType=ml.trn2.48xlarge")
+    trn = line(rows, "trn nodes")
+    assert trn.unpriced == "prices.ml.trn2.48xlarge" and trn.usd_per_hour == 0
+    assert cost.hourly(rows) == pytest.approx(cost.hourly(default_rows()) - PRICES["prices"]["ml.trn1.32xlarge"]["usd_per_hour"])
+    tables = subprocess.run(run, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "Not in the totals (no price in the table): trn nodes (ml.trn2.48xlarge)." in tables
