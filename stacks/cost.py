@@ -14,9 +14,9 @@ so the prices you pay can be entered and the tables regenerated.
 Fixed costs are what the resources bill by the hour or month whatever is done with them; what
 depends on use (GB stored in S3 and ECR, log and metric volume, NAT or endpoint traffic,
 CloudTrail events, Grafana users) is listed with its unit price, never guessed. A fixed line whose
-price the table lacks (the MLflow tracking server: no public figure was found; an instance type
-the table leaves out, such as ml.trn2.48xlarge) is listed as not priced, outside the totals,
-rather than failing a teardown's closing summary. A month is 730
+price the table lacks (the MLflow tracking server: no public figure was found; an instance or
+endpoint type the table leaves out, such as ml.trn2.48xlarge) is listed as not priced, outside
+the totals, rather than failing a teardown's closing summary. A month is 730
 hours, the convention of AWS's price pages. Plain data: no aws_cdk import (it runs in the deploy
 venv, requirements-deploy.txt).
 """
@@ -179,10 +179,15 @@ def _compute_lines(cfg: PlatformConfig, table: PriceTable, prices: dict[str, Uni
         out.append(Line(item=item, stack="cluster", usd_per_hour=count * price, how=f"{count} x ${price:g}/h",
                         prices=(instance_type,)))
     if cfg.serving:
-        price = serving_price(table, cfg.servingInstanceType)
-        out.append(Line(item=f"serving endpoint ({cfg.servingInstanceType}, 1 to {cfg.servingMaxInstances} instances)",
-                        stack="serving", usd_per_hour=price, how=f"at least 1 x ${price:g}/h (auto-scaling adds more)",
-                        prices=(cfg.servingInstanceType,)))
+        item = f"serving endpoint ({cfg.servingInstanceType}, 1 to {cfg.servingMaxInstances} instances)"
+        try:
+            price = serving_price(table, cfg.servingInstanceType)
+        except UserError:  # a size the table has no price for (ml.inf2.8xlarge, ml.g6.2xlarge)
+            out.append(Line(item=item, stack="serving", unpriced=f"serving.{cfg.servingInstanceType}",
+                            how=f"at least 1 x (no price in the table: add serving.{cfg.servingInstanceType})"))
+        else:
+            out.append(Line(item=item, stack="serving", usd_per_hour=price, prices=(cfg.servingInstanceType,),
+                            how=f"at least 1 x ${price:g}/h (auto-scaling adds more)"))
     ebs = _price(prices, "node_ebs", "GB-month")
     out.append(Line(item="node volumes (secondary EBS)", stack="cluster", usd_per_hour=ebs_gib * ebs.usd / HOURS_PER_MONTH,
                     how=f"{ebs_gib} GB x ${ebs.usd:g}/GB-month", prices=(ebs.name,)))

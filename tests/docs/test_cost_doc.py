@@ -177,7 +177,7 @@ def test_accounting_keeps_its_secret_after_teardown_all_and_its_database_until_t
     assert cost.hourly(gone, "teardown-all") == 0.0
 
 
-def test_an_instance_type_the_table_leaves_out_is_listed_not_priced_and_teardown_still_summarizes():
+def test_a_type_the_table_leaves_out_is_listed_not_priced_and_teardown_still_summarizes():
     """ml.trn2.48xlarge has no dated price (training/prices.yaml says why): a deployment of it
     still gets `make teardown`'s closing summary, and the tables say which entry to add."""
     run = [sys.executable, "-m", "stacks.cost", "-c", "trnInstanceType=ml.trn2.48xlarge"]
@@ -191,3 +191,9 @@ def test_an_instance_type_the_table_leaves_out_is_listed_not_priced_and_teardown
     assert cost.hourly(rows) == pytest.approx(cost.hourly(default_rows()) - PRICES["prices"]["ml.trn1.32xlarge"]["usd_per_hour"])
     tables = subprocess.run(run, cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "Not in the totals (no price in the table): trn nodes (ml.trn2.48xlarge)." in tables
+    # The same for an endpoint size the `serving` section has no price for.
+    served = ["serving=true", "servingInstanceType=ml.g6.2xlarge",
+              "servingModelDataUrl=s3://sana-artefacts-123456789012-us-east-1/serving/model-0123456789ab.tar.gz"]
+    endpoint = line(rows_for(*served), "serving endpoint")
+    assert endpoint.unpriced == "serving.ml.g6.2xlarge" and endpoint.kept_after == ()
+    assert "ml.g6.2xlarge" not in PRICES["serving"]
