@@ -91,13 +91,13 @@ deploy: audit ## audit, then cdk deploy --all of that assembly (needs AWS creden
 	$(CDK) deploy --all --app $(CDK_OUT) --require-approval broadening $(CDK_ARGS)
 
 # runbooks/teardown.md: what each step removes, keeps and what the kept part costs.
-teardown: setup-deploy ## stop the compute bill: destroy the serving and cluster stacks; data, FSx and network stay
+teardown: setup-deploy ## stop the compute bill: destroy the serving and cluster stacks; data, FSx, network and observability stay
 	@if $(CDK) list $(CDK_APP) $(CONTEXT) 2>/dev/null | grep -qx '$(PROJECT)-serving'; then \
 	  $(CDK) destroy $(CDK_APP) $(CONTEXT) $(PROJECT)-serving $(CDK_ARGS); fi
 	$(CDK) destroy $(CDK_APP) $(CONTEXT) $(PROJECT)-cluster $(CDK_ARGS)
 	$(PY) -m stacks.cost kept --after teardown $(CONTEXT)
 
-teardown-all: teardown ## then the storage and network stacks; lists what dataRemovalPolicy=retain keeps and its monthly cost
+teardown-all: teardown ## then the storage and network stacks (and observability, which depends on storage); lists what dataRemovalPolicy=retain keeps and its cost
 	$(PY) -m stacks.teardown unprotect-accounting $(CONTEXT)
 	$(CDK) destroy $(CDK_APP) $(CONTEXT) $(PROJECT)-storage $(PROJECT)-network $(CDK_ARGS)
 	$(PY) -m stacks.cost kept --after teardown-all $(CONTEXT)

@@ -88,9 +88,19 @@ def test_a_verified_price_needs_a_date(tmp_path, capsys):
     assert "key prices.ml.p5.48xlarge.checked: give the date" in err and "(a verified figure needs one)" in err
 
 
+#: training/prices.yaml `platform` entries for which no dated public source was found when the
+#: table was re-checked (2026-12-04, from stored copies of public pages and repositories); each
+#: keeps its figure with `checked: null`, `verified: false` and a note starting "UNDATED:".
+UNDATED_PLATFORM = {
+    "node_ebs": "what HyperPod bills per GB-month of an instance group's EBS volume: the dated AWS "
+                "Price List extracts found carry SageMaker instance prices only",
+    "rds_snapshot_storage": "Aurora backup storage per GB-month: no dated copy of the rate was found",
+}
+
+
 def test_shipped_table_is_dated_within_12_months_cited_and_turns_stale_on_its_own(tmp_path):
-    """Every figure of training/prices.yaml (decision prices, EC2 comparison, serving) carries a
-    public source and a date no more than 12 months before the table's re-check date, which is
+    """Every figure of training/prices.yaml (decision prices, EC2 comparison, serving, platform)
+    carries a public source and a date no more than 12 months before the table's re-check date, which is
     not in the future; estimates say so; and once a year has passed since an entry's date, a
     report built from the table warns about it (today injected, nothing else changed)."""
     from training.report.assemble import DecisionOptions
@@ -108,6 +118,19 @@ def test_shipped_table_is_dated_within_12_months_cited_and_turns_stale_on_its_ow
             assert p.region == table.region == "us-east-1", p
             assert p.service == {"prices": "hyperpod", "ec2": "ec2", "serving": "other"}[section], p
             assert p.verified or "ESTIMATE" in p.note, p  # an unverified figure says it is one
+    # `platform` (what the rest of a deployment bills, stacks/cost.py): the same rule, except the
+    # entries no dated public source was found for, named below with the reason; each says so
+    from stacks.cost import load_platform_prices
+
+    platform = load_platform_prices(DEFAULT_PRICES)
+    for p in platform.values():
+        assert p.source.startswith("https://") and p.note, p
+        if p.name in UNDATED_PLATFORM:
+            assert not p.checked and not p.verified and p.note.startswith("UNDATED:"), p
+        else:
+            assert p.checked and 0 <= (rechecked - datetime.date.fromisoformat(p.checked)).days <= 365, p
+            assert p.verified, p
+    assert set(UNDATED_PLATFORM) <= set(platform)  # the exception names entries that exist, no more
     # the SageMaker figures are the EC2 price x one ratio (1.15): the estimates apply the ratio
     # the verified figures show, so an estimate moves with the figures it is derived from
     ratios = {n: p.usd_per_hour / table.ec2_price(n).usd_per_hour for n, p in table.prices.items() if p.verified}
