@@ -29,6 +29,8 @@ standin_pyxis/), fetched over file:// by the real install logic.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -46,6 +48,73 @@ import node_model
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "lifecycle_scripts"
+
+_AWS = r"""
+case "$1 $2" in
+  "ecr get-login-password")
+    shift 2; region=
+    while [ $# -gt 0 ]; do case $1 in --region) region=$2; shift 2;; *) shift;; esac; done
+    if [ "$region" != "$STANDIN_REGION" ]; then
+      echo "Could not connect to the endpoint URL: \"https://api.ecr.${region:-us-east-1}.amazonaws.com/\"" >&2; exit 255; fi
+    echo "standin-ecr-token-$region"; exit 0;;
+  "s3 cp") shift 2;;
+  *) echo "aws $1 $2: not stood in" >&2; exit 252;;
+esac
+region=; src=; dst=; recursive=
+while [ $# -gt 0 ]; do case $1 in --region) region=$2; shift 2;; --recursive) recursive=1; shift;;
+  s3://*) src=${1#s3://}; shift;; --*) shift;; *) dst=$1; shift;; esac; done
+if [ "$region" != "$STANDIN_REGION" ]; then
+  echo "Could not connect to the endpoint URL: \"https://s3.${region:-us-east-1}.amazonaws.com/${src%%/*}\"" >&2; exit 255; fi
+if [ -n "$recursive" ]; then
+  mkdir -p "$dst"; if [ -d "$STANDIN_S3/$src" ]; then cp -R "$STANDIN_S3/$src/." "$dst/"; fi; exit 0; fi
+if [ ! -f "$STANDIN_S3/$src" ]; then
+  echo "fatal error: An error occurred (404) when calling the HeadObject operation: Key \"${src#*/}\" does not exist" >&2
+  exit 1; fi
+cp "$STANDIN_S3/$src" "$dst"
+"""
+_DOCKER = r"""
+config=${DOCKER_CONFIG:-$HOME/.docker}
+if [ "$1" = --config ]; then config=$2; shift 2; fi
+case $1 in
+  login) registry=; for a; do registry=$a; done
+    token=$(cat)
+    if [ -z "$token" ]; then echo "Error: Cannot perform an interactive login from a non TTY device" >&2; exit 1; fi
+    mkdir -p "$config"; printf '{"auths": {"%s": {"auth": "stand-in"}}}\n' "$registry" >"$config/config.json"
+    echo "Login Succeeded"; exit 0;;
+  pull) ;;
+  *) echo "docker $1: not stood in" >&2; exit 1;;
+esac
+for image; do :; done
+registry=${image%%/*}
+case $registry in
+  *.dkr.ecr.*.amazonaws.com) ecr=1;;
+  *) ecr=;;
+esac
+if [ -n "$STANDIN_PRIVATE_SUBNET" ]; then case $registry in *.dkr.ecr.$STANDIN_REGION.amazonaws.com) ;; *)
+  echo "Error response from daemon: Get \"https://$registry/v2/\": net/http: request canceled while waiting for connection (Client.Timeout exceeded while awaiting headers)" >&2; exit 1;; esac; fi
+if [ -n "$ecr" ] && ! grep -qs "\"$registry\"" "$config/config.json"; then
+  rest=${image#*/}; repo=${rest%:*}; tag=${rest##*:}
+  echo "Error response from daemon: Head \"https://$registry/v2/$repo/manifests/$tag\": no basic auth credentials" >&2; exit 1; fi
+case " $STANDIN_DOCKER_IMAGES " in *" $image "*) echo "$image"; exit 0;; esac
+echo "Error response from daemon: manifest for $image not found: manifest unknown: manifest unknown" >&2; exit 1
+"""
+_CURL = r"""
+if [ -z "$STANDIN_PRIVATE_SUBNET" ]; then exec /usr/bin/curl "$@"; fi
+for a; do case $a in file://*) exec /usr/bin/curl "$@";; esac; done
+timeout=300; retry=0; url=
+while [ $# -gt 0 ]; do case $1 in
+  --connect-timeout) timeout=$2; shift 2;; --retry) retry=$2; shift 2;;
+  -o|--output|--retry-delay|--max-time|-m) shift 2;;
+  http://*|https://*) url=$1; shift;; *) shift;; esac; done
+host=${url#*://}; host=${host%%/*}
+attempt=0
+while [ "$attempt" -le "$retry" ]; do
+  [ -n "$STANDIN_LOG" ] && echo "curl-attempt $url" >>"$STANDIN_LOG"
+  echo "curl: (28) Failed to connect to $host port 443 after ${timeout}000 ms: Timeout was reached" >&2
+  attempt=$((attempt + 1))
+done
+exit 28
+"""
 
 # What each stand-in stands for; each records its call in $STANDIN_LOG.
 STANDINS = {
@@ -163,23 +232,32 @@ STANDINS = {
              '  if [ -f "$PLATFORM_ROOT$so" ]; then echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"; break; fi; done'),
     # `aws s3 cp --recursive --region R s3://BUCKET/PREFIX DIR` on a node (system.sh s3_download_prefix):
     # every object under the prefix into DIR, keys relative to it, and exit 0 when there is none (AWS
-    # CLI Command Reference, s3 cp). Here bucket B is the directory $STANDIN_S3/B. A private subnet
-    # reaches S3 only through its own region's gateway endpoint: any other region (or none, the
-    # CLI's us-east-1 default) gets the CLI's connection error and exit 255, as a node would.
-    "aws": ('[ "$1 $2" = "s3 cp" ] || { echo "aws $1 $2: not stood in" >&2; exit 252; }\n'
-            'shift 2; region=; src=; dst=\n'
-            'while [ $# -gt 0 ]; do case $1 in --region) region=$2; shift 2;; s3://*) src=${1#s3://}; shift;;\n'
-            '  --*) shift;; *) dst=$1; shift;; esac; done\n'
-            'if [ "$region" != "$STANDIN_REGION" ]; then\n'
-            '  echo "Could not connect to the endpoint URL: \\"https://s3.${region:-us-east-1}.amazonaws.com/${src%%/*}\\"" >&2; exit 255; fi\n'
-            'mkdir -p "$dst"; if [ -d "$STANDIN_S3/$src" ]; then cp -R "$STANDIN_S3/$src/." "$dst/"; fi'),
-    # `docker pull --quiet IMAGE` on a GPU node (HyperPod's AMI runs Docker): the digest line when
-    # the registry has IMAGE ($STANDIN_DOCKER_IMAGES stands for what the registry holds), else
-    # Docker's own refusal and exit 1.
-    "docker": ('[ "$1" = pull ] || { echo "docker $1: not stood in" >&2; exit 1; }\n'
-               'for image; do :; done\n'
-               'case " $STANDIN_DOCKER_IMAGES " in *" $image "*) echo "$image"; exit 0;; esac\n'
-               'echo "Error response from daemon: manifest for $image not found: manifest unknown: manifest unknown" >&2; exit 1'),
+    # CLI Command Reference, s3 cp). `aws s3 cp --region R s3://BUCKET/KEY FILE` (s3_download_object):
+    # that one object, or for a missing key the CLI's "fatal error: An error occurred (404) when calling
+    # the HeadObject operation: Key "KEY" does not exist" and exit 1 (aws/aws-cli#6660 shows it). Here
+    # bucket B is the directory $STANDIN_S3/B. A private subnet reaches S3 only through its own
+    # region's gateway endpoint: any other region (or none, the CLI's us-east-1 default) gets the CLI's
+    # connection error and exit 255, as a node would. `aws ecr get-login-password --region R`: a token
+    # (the ECR endpoints of the node's region), the same connection error elsewhere.
+    "aws": _AWS,
+    # docker on a GPU node (HyperPod's AMI runs Docker). Global `--config DIR` (docker(1): where the
+    # client keeps its configuration, default ~/.docker). `login --username AWS --password-stdin
+    # REGISTRY`: a token on stdin is recorded in DIR/config.json's "auths" ("Login Succeeded"), none is
+    # Docker's non-TTY refusal. `pull --quiet IMAGE`: the image line when the registry has IMAGE
+    # ($STANDIN_DOCKER_IMAGES stands for what the registries hold), else Docker's "manifest unknown";
+    # an ECR image without a login in the config is "no basic auth credentials" (the daemon's answer
+    # when ECR gets no token, aws/amazon-vpc-cni-k8s#1217); in a private subnet
+    # ($STANDIN_PRIVATE_SUBNET) a registry other than the node region's ECR is the daemon's timeout
+    # ("net/http: request canceled while waiting for connection (Client.Timeout exceeded while
+    # awaiting headers)", NVIDIA-NeMo/Speech#7354 for nvcr.io).
+    "docker": _DOCKER,
+    # curl on a node: the real one, except in a private subnet ($STANDIN_PRIVATE_SUBNET) for any URL
+    # but file://, which fails the way curl fails where the route table has no route (the subnet's
+    # router drops the SYNs): after --connect-timeout, once per attempt (1 + --retry), "curl: (28)
+    # Failed to connect to <host> port 443 after <ms> ms: Timeout was reached", exit 28 (measured
+    # with curl 7.88.1 in a network namespace whose OUTPUT chain drops the packets), here without
+    # waiting; every attempt is recorded in $STANDIN_LOG as "curl-attempt <url>".
+    "curl": _CURL,
 }
 # iptables / ip6tables on a node: the IMDS step's rules (lifecycle_scripts/imds_block.sh). Here a
 # stand-in keeps them per node under $PLATFORM_ROOT/run/standin-netfilter: this machine's own
@@ -360,34 +438,56 @@ def container_sources(dist: Path) -> dict[str, str]:
     return {"LIFECYCLE_ENROOT_RELEASE_URL": release.as_uri(), "LIFECYCLE_PYXIS_SOURCE_URL": archive.as_uri()}
 
 
-#: the observability step's pins (lifecycle_scripts/observability.sh)
-OBSERVABILITY_VERSIONS = {"node_exporter": "1.9.1", "prometheus": "2.53.4", "slurm_exporter": "1.6.1"}
+def observability_sources(dist: Path, versions: dict[str, str] | None = None, *,
+                          record: tuple[str, ...] = ("node_exporter", "prometheus"),
+                          base_url: str | None = None) -> dict[str, str]:
+    """Stand-ins of the release archives the observability step installs, published under ``dist`` as
+    the projects publish them on GitHub: ``<owner>/<repo>/releases/download/v<version>/`` holding the
+    archive in the project's layout (lifecycle_scripts/agent_releases.py: promu's top directory,
+    GoReleaser's flat archive with README.md and LICENSE) and the release's checksum file
+    (``<sha256>  <file>`` lines, with another platform's archive listed too). Each binary answers
+    ``--version`` in the real programs' format ("<name>, version X.Y.Z (branch: ..., revision: ...)");
+    promtool is the real one (Debian's), so the collector's configuration is checked for real.
 
+    Returns the LIFECYCLE_AGENT_RELEASES setting: the pins (the real repositories, layouts and
+    checksum files; ``versions`` overrides), served from ``dist`` as file:// (or ``base_url``), with
+    the sha256 recorded for the names in ``record`` (the real pins record node_exporter's and
+    prometheus's, not slurm_exporter's)."""
+    from stacks.agent_releases import RELEASES, Release
 
-def observability_sources(dist: Path, versions: dict[str, str] | None = None) -> dict[str, str]:
-    """Stand-ins of the release archives the observability step downloads, laid out as the
-    projects publish them (<name>-<version>.linux-<arch>.tar.gz holding <name>-<version>.linux-<arch>/
-    <name>, the promu layout of prometheus/node_exporter and prometheus/prometheus releases). Each
-    binary answers ``--version`` in the real programs' format ("<name>, version X.Y.Z (branch: ...,
-    revision: ...)"). promtool is the real one (Debian's), so the collector's configuration is
-    checked for real. Returns the LIFECYCLE_* settings naming them."""
-    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
-    out = {}
-    for name, version in {**OBSERVABILITY_VERSIONS, **(versions or {})}.items():
-        top = f"{name}-{version}.linux-{arch}"
-        tree = dist / name / top
-        tree.mkdir(parents=True)
-        (tree / name).write_text(f'#!/bin/sh\n# stand-in for {name} {version}\n'
-                                 f'case "$1" in --version) echo "{name}, version {version} (branch: HEAD, revision: '
-                                 f'0000000)"; echo "  build user: stand-in";; *) exit 0;; esac\n')
-        (tree / name).chmod(0o755)
-        if name == "prometheus":
-            (tree / "promtool").write_text('#!/bin/sh\nexec /usr/bin/promtool "$@"\n')
-            (tree / "promtool").chmod(0o755)
-        with tarfile.open(dist / name / f"{top}.tar.gz", "w:gz") as tar:
-            tar.add(tree, arcname=top)
-        out[f"LIFECYCLE_{name.upper()}_URL"] = (dist / name).as_uri()
-    return out
+    releases = {}
+    for name, real in RELEASES.items():
+        release = Release(**{**dataclasses.asdict(real), "version": (versions or {}).get(name, real.version),
+                             "sha256": None, "sha256_source": ""})
+        folder = dist / release.repository / "releases/download" / f"v{release.version}"
+        tree = folder / f".{name}-tree"
+        for member, binary in zip(release.members, release.binaries, strict=True):
+            path = tree / member
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if binary == "promtool":
+                path.write_text('#!/bin/sh\nexec /usr/bin/promtool "$@"\n')
+            else:
+                path.write_text(f'#!/bin/sh\n# stand-in for {binary} {release.version}\n'
+                                f'case "$1" in --version) echo "{binary}, version {release.version} (branch: HEAD, '
+                                f'revision: 0000000)"; echo "  build user: stand-in";; *) exit 0;; esac\n')
+            path.chmod(0o755)
+        if release.layout == "goreleaser":
+            (tree / "README.md").write_text(f"# {name} (stand-in)\n")
+            (tree / "LICENSE").write_text("stand-in\n")
+        with tarfile.open(folder / release.asset, "w:gz") as tar:
+            for entry in sorted(tree.iterdir()):
+                tar.add(entry, arcname=entry.name)
+        shutil.rmtree(tree)
+        digest = hashlib.sha256((folder / release.asset).read_bytes()).hexdigest()
+        other = release.asset.replace("linux-amd64", "darwin-arm64")
+        (folder / release.checksums).write_text(f"{'0' * 64}  {other}\n{digest}  {release.asset}\n")
+        releases[name] = {**{k: list(v) if isinstance(v, tuple) else v
+                             for k, v in dataclasses.asdict(release).items() if k != "name"},
+                          "sha256": digest if name in record else None,
+                          "sha256_source": "tests/lifecycle stand-in" if name in record else ""}
+    pins = dist / "agent-releases.json"
+    pins.write_text(json.dumps({"base_url": base_url or dist.as_uri(), "releases": releases}, indent=2))
+    return {"LIFECYCLE_AGENT_RELEASES": str(pins)}
 
 
 def make_bundle(dest: Path, wheels: dict[str, Path], *, package_hash: str,
