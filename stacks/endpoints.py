@@ -5,7 +5,7 @@ subnet, so the list below is the whole of "what can leave the subnet". It is wri
 sources, each entry naming its own:
 
 - the code that runs on the nodes: every ``boto3`` client and ``aws <service>`` command under
-  training/ and lifecycle_scripts/ (``services_used`` finds them; tests/stacks/test_endpoints.py
+  training/ and lifecycle_scripts/ (``services_used`` finds them; tests/stacks/test_private_network.py
   fails when one has no endpoint here, so a new client cannot ship without one);
 - the agents on every HyperPod node: the HyperPod node agent (the actions of its managed policy,
   AmazonSageMakerClusterInstanceRolePolicy, mirrored in awslabs/awsome-distributed-ai
