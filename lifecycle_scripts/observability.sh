@@ -99,14 +99,23 @@ agents_lock() {
   log "agent releases: $source ($out)"
 }
 
-# fetch_archive NAME: the pinned release archive of NAME at $archive, its sha256 checked (private:
-# against the agents lock; public: the recorded pin, else the release's checksum file). Sets
-# version, asset, archive, members. Returns 1 after one warn line.
-fetch_archive() {
-  local name=$1 spec url checksums_url sha256 source out check=()
-  read -r -a spec <<<"$(python3 "$PINS" spec "$name")"
+# read_pin NAME: sets version, url, checksums_url, asset, sha256 ("-": none recorded) and members
+# (the archive paths of its binaries) from agent_releases.py. Returns 1 after one warn line.
+read_pin() {
+  local line spec
+  if ! line=$(python3 "$PINS" spec "$1" 2>&1) || ! read -r -a spec <<<"$line" || ((${#spec[@]} < 6)); then
+    warn "$1: no pinned release ($(last_line "$line"))"
+    return 1
+  fi
   version=${spec[0]} url=${spec[1]} checksums_url=${spec[2]} asset=${spec[3]} sha256=${spec[4]}
   members=("${spec[@]:5}")
+}
+
+# fetch_archive NAME: the pinned release archive of NAME (read_pin's values) at $archive, its sha256
+# checked (private: against the agents lock; public: the recorded pin, else the release's checksum
+# file). Returns 1 after one warn line.
+fetch_archive() {
+  local name=$1 source out check=()
   archive=$work/$asset
   if [[ $PRIVATE == true ]]; then
     agents_lock || return 1
@@ -142,8 +151,8 @@ fetch_archive() {
 # name), after its sha256 and the version its binary reports. Returns 1 (after a warn line) when any
 # of that fails.
 release_binary() {
-  local name=$1 bin reported member version asset archive out members=()
-  version=$(python3 "$PINS" spec "$name" | cut -d' ' -f1)
+  local name=$1 bin reported member version url checksums_url asset sha256 archive out members=()
+  read_pin "$name" || return 1
   bin=$AGENT_DIR/bin/$name
   if [[ -x $bin ]] && "$bin" --version 2>&1 | grep -q "version $version "; then
     log "$name $version is installed"
