@@ -20,7 +20,7 @@ CONTEXT  ?=
 CDK_ARGS ?=
 PROJECT  ?= $(shell python3 -c 'import json; print(json.load(open("cdk.json"))["context"]["projectName"])')
 
-.PHONY: help setup setup-deploy setup-xla setup-mlflow synth audit deploy teardown teardown-all demo test test-platform test-xla lint clean image push-image serve-smoke wheelhouse
+.PHONY: help setup setup-deploy setup-xla setup-mlflow synth audit deploy teardown teardown-all demo test test-platform test-xla lint clean image push-image serve-smoke wheelhouse agent-releases mirror-dcgm-image
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -78,10 +78,23 @@ synth: setup-deploy ## cdk synth through the real CLI into cdk.out/ (offline, no
 	$(CDK) synth --quiet $(CDK_APP) --output $(CDK_OUT) $(CONTEXT)
 
 # privateNetwork=true: the nodes install their envs from these (stacks/wheelhouse.py, runbooks/deploy.md
-# "Private network"); needs PyPI and Neuron's pip repository here. KINDS=gpu|neuron limits it.
+# "Private network"); needs PyPI and Neuron's pip repository here. KINDS=gpu|neuron limits it. The
+# observability agents' release archives come with them (agent-releases).
 KINDS ?= gpu neuron
-wheelhouse: $(STAMPS)/venv-deploy ## resolve the node envs' pins for the nodes (CPython 3.11, manylinux x86_64) into build/wheelhouse/, cached by their hash
+wheelhouse: $(STAMPS)/venv-deploy ## resolve the node envs' pins for the nodes (CPython 3.11, manylinux x86_64) into build/wheelhouse/, cached by their hash; fetch the agent releases too
 	$(PY) -m stacks.wheelhouse build $(KINDS)
+	$(PY) -m stacks.agent_releases build
+
+# The observability agents of a private cluster (stacks/agent_releases.py, runbooks/private-network.md);
+# needs github.com here.
+agent-releases: $(STAMPS)/venv-deploy ## fetch the pinned exporter/Prometheus release archives, check their sha256, lock them into build/wheelhouse/ (cached by the pins)
+	$(PY) -m stacks.agent_releases build
+
+# A private cluster's GPU nodes pull the DCGM exporter from this account's ECR (runbooks/observability.md);
+# needs nvcr.io and docker/podman/buildah here.
+mirror-dcgm-image: $(STAMPS)/venv-deploy ## copy the pinned DCGM exporter image into this account's ECR (REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com)
+	@test -n "$(REGISTRY)" || { echo "make mirror-dcgm-image: set REGISTRY=<account>.dkr.ecr.<region>.amazonaws.com (storage stack output DcgmExporterRepositoryUri without the path)" >&2; exit 2; }
+	$(PY) -m containers.image mirror dcgm-exporter --registry $(REGISTRY)
 
 audit: synth ## print cdk-nag (AWS Solutions + HIPAA) and cfn-lint findings; fail on any open one
 	$(PY) -m stacks.audit $(CDK_OUT)

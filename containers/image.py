@@ -3,6 +3,7 @@
     python -m containers.image tag   gpu|neuron            the tag (package hash + recipe hash)
     python -m containers.image build gpu|neuron [--base IMAGE] [--efa] [--pip-from-host]
     python -m containers.image push  gpu|neuron --registry ACCOUNT.dkr.ecr.REGION.amazonaws.com
+    python -m containers.image mirror dcgm-exporter --registry ACCOUNT.dkr.ecr.REGION.amazonaws.com
 
 Why a helper and not a bare ``docker build``: the build context is staged with exactly the files
 stacks/cluster.py ``package_hash`` covers (so the ``sana.package-hash`` label, deployment_hash, names the package
@@ -281,13 +282,7 @@ def push(kind: str, registry: str, options: BuildOptions, *, builder: str | None
     # deploymentGeneration 2 on: PlatformConfig.retained_prefix).
     prefix = os.environ.get("SANA_PROJECT") or _repository_prefix()
     remote = f"{registry}/{prefix}/{spec.name}:{meta.tag}"
-    region = registry.split(".dkr.ecr.")[1].removesuffix(".amazonaws.com")
-    password = subprocess.run(["aws", "ecr", "get-login-password", "--region", region], capture_output=True,
-                              text=True)
-    if password.returncode != 0:
-        raise ImageError(f"aws ecr get-login-password --region {region} failed: {password.stderr.strip()}")
-    subprocess.run([tool, "login", "--username", "AWS", "--password-stdin", registry], input=password.stdout,
-                   text=True, check=True)
+    ecr_login(tool, registry)
     tag_cmd = [tool, "tag", meta.reference, remote]
     if subprocess.run(tag_cmd).returncode != 0:
         raise ImageError(f"no local image {meta.reference}; run `make image IMAGE={kind}` first")
@@ -296,21 +291,67 @@ def push(kind: str, registry: str, options: BuildOptions, *, builder: str | None
     return remote
 
 
+def ecr_login(tool: str, registry: str) -> None:
+    """``aws ecr get-login-password | <tool> login`` for ``registry``; ImageError (one line) if refused."""
+    region = registry.split(".dkr.ecr.")[1].removesuffix(".amazonaws.com")
+    password = subprocess.run(["aws", "ecr", "get-login-password", "--region", region], capture_output=True,
+                              text=True)
+    if password.returncode != 0:
+        raise ImageError(f"aws ecr get-login-password --region {region} failed: {password.stderr.strip()}")
+    login = subprocess.run([tool, "login", "--username", "AWS", "--password-stdin", registry], input=password.stdout,
+                           text=True, capture_output=True)
+    if login.returncode != 0:
+        raise ImageError(f"{tool} login {registry} failed: {(login.stderr.strip() or 'no output').splitlines()[-1]}")
+
+
+def mirror(image: str, registry: str, *, builder: str | None = None) -> str:
+    """Copy a pinned third-party image into this account's ECR, where a private cluster's nodes pull it
+    (stacks/images.py MIRRORED_IMAGES; the pin is lifecycle_scripts/agent_releases.py's): pull the pinned
+    tag, tag it ``<registry>/<prefix>/<image>:<tag>``, push. Run where its registry (nvcr.io) is
+    reachable, with the platform team's credentials."""
+    from stacks.agent_releases import DCGM_EXPORTER
+    from stacks.images import MIRRORED_IMAGES, mirror_repository_name
+
+    pins = {DCGM_EXPORTER.repository: DCGM_EXPORTER}
+    if image not in MIRRORED_IMAGES or image not in pins:
+        raise ImageError(f"mirror {image}: the mirrored images are {', '.join(MIRRORED_IMAGES)}")
+    if not registry.endswith(".amazonaws.com") or ".dkr.ecr." not in registry:
+        raise ImageError(f"--registry {registry}: not an ECR registry; use ACCOUNT.dkr.ecr.REGION.amazonaws.com")
+    tool = detect_builder(builder)
+    source = pins[image].reference()
+    prefix = os.environ.get("SANA_PROJECT") or _repository_prefix()
+    remote = pins[image].reference(registry, mirror_repository_name(prefix, image))
+    if subprocess.run([tool, "pull", source]).returncode != 0:
+        raise ImageError(f"{tool} pull {source} failed: run the mirror where {source.split('/')[0]} is reachable")
+    ecr_login(tool, registry)
+    if subprocess.run([tool, "tag", source, remote]).returncode != 0:
+        raise ImageError(f"{tool} tag {source} {remote} failed")
+    if subprocess.run([tool, "push", remote]).returncode != 0:
+        raise ImageError(f"push of {remote} failed (the repository's tags are immutable: if this tag is there "
+                         "already, the mirror is done)")
+    return remote
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m containers.image", description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=("tag", "build", "push"))
-    parser.add_argument("kind", help="gpu or neuron")
+    parser.add_argument("action", choices=("tag", "build", "push", "mirror"))
+    parser.add_argument("kind", help="gpu or neuron (mirror: dcgm-exporter)")
     parser.add_argument("--base", help="base image (default: the Dockerfile's BASE_IMAGE)")
     parser.add_argument("--efa", action="store_true",
                         help="GPU: reinstall EFA over the base's (default: keep the DLC's matched stack)")
     parser.add_argument("--pip-from-host", action="store_true",
                         help="resolve packages as this machine's pip does (podman/buildah only)")
-    parser.add_argument("--registry", help="push: ACCOUNT.dkr.ecr.REGION.amazonaws.com")
+    parser.add_argument("--registry", help="push, mirror: ACCOUNT.dkr.ecr.REGION.amazonaws.com")
     parser.add_argument("--builder", choices=BUILDERS, help="default: detected (SANA_IMAGE_BUILDER)")
     ns = parser.parse_args(argv)
     options = BuildOptions(base_image=ns.base, install_efa=ns.efa)
     try:
-        if ns.action == "tag":
+        if ns.action == "mirror":
+            if not ns.registry:
+                raise ImageError("mirror needs --registry ACCOUNT.dkr.ecr.REGION.amazonaws.com "
+                                 "(make mirror-dcgm-image REGISTRY=...)")
+            print(mirror(ns.kind, ns.registry, builder=ns.builder))
+        elif ns.action == "tag":
             print(image_meta(spec_of(ns.kind), options).tag)
         elif ns.action == "build":
             meta = build(ns.kind, options, builder=ns.builder, pip=host_pip_settings() if ns.pip_from_host else None)

@@ -71,9 +71,8 @@
 #   LIFECYCLE_PYXIS_PREFIX          where pyxis is installed and registered from (default /usr/local)
 #   LIFECYCLE_PYXIS_WAIT_S          how long the late check waits for the controller's pyxis line (default 300)
 #   LIFECYCLE_FAILURE_LOG_WAIT_S    seconds to wait after a failure so the log reaches CloudWatch (default 60)
-#   LIFECYCLE_NODE_EXPORTER_URL     where the node exporter release is downloaded from (default: its GitHub release)
-#   LIFECYCLE_PROMETHEUS_URL        the same for Prometheus (the controller's collector)
-#   LIFECYCLE_SLURM_EXPORTER_URL    the same for the Slurm exporter (controller)
+#   LIFECYCLE_AGENT_RELEASES        a JSON file replacing the observability agents' pins (where their release
+#                                   archives are and their sha256; default: agent_releases.py's, on GitHub)
 
 # Started as `sh on_init_complete.sh`? Re-run under bash before anything bash-only.
 if [ -z "${BASH_VERSION:-}" ]; then exec bash "$0" "$@"; fi

@@ -172,6 +172,17 @@ if unknown:
 observability = s.get("observability", {})
 if not isinstance(observability, dict) or not isinstance(observability.get("enabled", False), bool):
     fail(f"key 'observability' must be {{enabled: true|false}}, got {observability!r}")
+# A private cluster's observability step installs its agents from the bundle the cluster stack
+# uploaded beside the wheelhouses (stacks/agent_releases.py) and pulls the DCGM exporter from this
+# account's ECR (stacks/images.py MIRRORED_IMAGES); both absent on a public cluster.
+agents = observability.get("agents", {})
+if not isinstance(agents, dict) or (agents and not (
+        re.fullmatch(r"wheelhouse/agents-[0-9a-f]{16}/", str(agents.get("prefix", "")))
+        and re.fullmatch(r"[0-9a-f]{64}", str(agents.get("lock_sha256", ""))))):
+    fail(f"observability.agents must be {{prefix: wheelhouse/agents-<16 hex>/, lock_sha256: <64 hex>}}, got {agents!r}")
+dcgm_repository = observability.get("dcgm_exporter_repository", "")
+if not isinstance(dcgm_repository, str) or (dcgm_repository and not re.fullmatch(r"[a-z0-9][a-z0-9._/-]*", dcgm_repository)):
+    fail(f"observability.dcgm_exporter_repository must be an ECR repository name, got {dcgm_repository!r}")
 remote_write = s.get("remote_write_url", "")
 if not isinstance(remote_write, str) or (remote_write and not re.fullmatch(r"https://[^\s'\"]+", remote_write)):
     fail(f"key 'remote_write_url' must be empty or an https URL, got {remote_write!r}")
@@ -201,6 +212,9 @@ values = {
     "CFG_IMAGE_REGISTRY": image_registry,
     "CFG_OBSERVABILITY": "true" if observability.get("enabled", False) else "false",
     "CFG_REMOTE_WRITE_URL": remote_write,
+    "CFG_AGENTS_PREFIX": agents.get("prefix", ""),
+    "CFG_AGENTS_LOCK_SHA256": agents.get("lock_sha256", ""),
+    "CFG_DCGM_EXPORTER_REPOSITORY": dcgm_repository,
     # Paths as this node sees them (PLATFORM_ROOT + the cluster path).
     "FSX": root + fsx_mount,
     "ENV_GPU_DIR": root + env_gpu,

@@ -61,3 +61,9 @@ apt_install() {
 s3_download_prefix() {
   aws s3 cp --recursive --only-show-errors --no-progress --region "$3" "$1" "$2"
 }
+
+# s3_download_object S3_URI FILE REGION: one object to FILE (a missing key fails: the CLI's
+# "fatal error: An error occurred (404) when calling the HeadObject operation: Key ... does not exist").
+s3_download_object() {
+  aws s3 cp --only-show-errors --no-progress --region "$3" "$1" "$2"
+}

@@ -20,6 +20,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aws_cdk as cdk
 from aws_cdk import aws_iam as iam
@@ -30,10 +31,12 @@ from aws_cdk import aws_sagemaker as sagemaker
 from constructs import Construct
 
 from stacks.accounting import AccountingDatabase
+from stacks.agent_releases import DCGM_EXPORTER, AgentBundle, AgentReleaseError
+from stacks.agent_releases import load as load_agent_releases
 from stacks.cluster_logs import ClusterLogGroup
 from stacks.common import acknowledge, ignore_cfn_lint
-from stacks.config import FSX_MOUNT, PlatformConfig
-from stacks.images import RegistryLogin
+from stacks.config import FSX_MOUNT, ConfigError, PlatformConfig
+from stacks.images import RegistryLogin, mirror_repository_name
 from stacks.names import execution_role_name, mlflow_server_arn
 from stacks.network import Network
 from stacks.storage import StorageStack, bucket_names
@@ -73,7 +76,9 @@ def deployment_package_hash(config: PlatformConfig, lifecycle_dir: Path = LIFECY
                             training_dir: Path = TRAINING_DIR, wheelhouse_root: Path = WHEELHOUSE_ROOT) -> str:
     """The hash `cdk deploy` uploads this configuration's package under (code + node settings,
     the wheelhouses of a private cluster included)."""
-    return package_hash(lifecycle_dir, training_dir, config.node_settings(wheelhouse_settings(config, wheelhouse_root)))
+    return package_hash(lifecycle_dir, training_dir,
+                        config.node_settings(wheelhouse_settings(config, wheelhouse_root),
+                                             offline_agent_settings(config, agent_bundle(config, wheelhouse_root))))
 
 
 def wheelhouse_settings(config: PlatformConfig, root: Path) -> dict[str, dict[str, str]]:
@@ -81,6 +86,27 @@ def wheelhouse_settings(config: PlatformConfig, root: Path) -> dict[str, dict[st
     if not config.privateNetwork:
         return {}
     return {kind: w.settings() for kind, w in wheelhouses_for(config, root).items()}
+
+
+def agent_bundle(config: PlatformConfig, root: Path) -> AgentBundle | None:
+    """The observability agents' release archives a private cluster installs from (stacks/agent_releases.py);
+    None where the nodes download them themselves (or run no agents). One-line ConfigError if not built."""
+    if not (config.privateNetwork and config.observability):
+        return None
+    try:
+        return load_agent_releases(root)
+    except AgentReleaseError as err:
+        raise ConfigError("privateNetwork", True, f"the nodes' observability agents cannot come from GitHub: {err}; "
+                                                  "or set observability=false") from None
+
+
+def offline_agent_settings(config: PlatformConfig, bundle: AgentBundle | None) -> dict[str, Any]:
+    """platform-settings.json ``observability`` additions of a private cluster: the agents' bundle and
+    the ECR repository its GPU nodes pull the DCGM exporter from (lifecycle_scripts/observability.sh)."""
+    if bundle is None:
+        return {}
+    return {"agents": bundle.settings(),
+            "dcgm_exporter_repository": mirror_repository_name(config.retained_prefix, DCGM_EXPORTER.repository)}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -95,7 +121,8 @@ class ClusterProps:
     lifecycle_dir: Path = LIFECYCLE_DIR
     training_dir: Path = TRAINING_DIR
     wheelhouse_root: Path = WHEELHOUSE_ROOT
-    """Where ``make wheelhouse`` keeps the wheelhouses a private cluster uploads (stacks/wheelhouse.py)."""
+    """Where ``make wheelhouse`` keeps the wheelhouses (stacks/wheelhouse.py) and the observability agents'
+    archives (stacks/agent_releases.py) a private cluster uploads."""
 
 
 class PlatformBuckets(Construct):
@@ -289,14 +316,15 @@ class LifecycleUpload(Construct):
     """
 
     def __init__(self, scope: Construct, id: str, *, props: ClusterProps, buckets: PlatformBuckets,
-                 wheelhouses: dict[str, Wheelhouse]) -> None:
+                 wheelhouses: dict[str, Wheelhouse], agents: AgentBundle | None = None) -> None:
         super().__init__(scope, id)
         cfg = props.config
         if not (props.lifecycle_dir / ON_INIT_COMPLETE).is_file():
             raise FileNotFoundError(f"{props.lifecycle_dir / ON_INIT_COMPLETE} is missing: every instance group's "
                                     "LifeCycleConfig.OnInitComplete names it")
         wheels = {kind: w.settings() for kind, w in wheelhouses.items()}
-        node_settings = cfg.node_settings(wheels)
+        offline_agents = offline_agent_settings(cfg, agents)
+        node_settings = cfg.node_settings(wheels, offline_agents)
         if cdk.Token.is_unresolved(json.dumps(node_settings)):
             raise ValueError("PlatformConfig.node_settings() holds a CDK token: the nodes could not recompute the "
                              "package hash; put values of the account or region in package_hash.ENVIRONMENT_KEYS")
@@ -309,7 +337,7 @@ class LifecycleUpload(Construct):
             artefacts_bucket=buckets.artefacts.bucket_name, lifecycle_bucket=buckets.lifecycle.bucket_name,
             package_hash=self.package_hash,
             image_registry=f"{cdk.Aws.ACCOUNT_ID}.dkr.ecr.{cdk.Aws.REGION}.{cdk.Aws.URL_SUFFIX}",
-            wheelhouses=wheels, remote_write_url=props.remote_write_url)
+            wheelhouses=wheels, offline_agents=offline_agents, remote_write_url=props.remote_write_url)
         common = dict(destination_bucket=buckets.lifecycle, prune=False, retain_on_delete=True,
                       memory_limit=512)
         self.scripts = s3deploy.BucketDeployment(
@@ -332,9 +360,13 @@ class Cluster(Construct):
         self.buckets = PlatformBuckets(self, "Buckets", name_prefix=cfg.retained_prefix, key=props.storage.buckets.key)
         self.execution_role = ExecutionRole(self, "ExecutionRole", props=props, buckets=self.buckets)
         wheelhouses = wheelhouses_for(cfg, props.wheelhouse_root) if cfg.privateNetwork else {}
-        self.upload = LifecycleUpload(self, "Lifecycle", props=props, buckets=self.buckets, wheelhouses=wheelhouses)
-        self.wheelhouses = None if not wheelhouses else WheelhouseUpload(
-            self, "Wheelhouses", wheelhouses=wheelhouses, bucket=self.buckets.lifecycle)
+        agents = agent_bundle(cfg, props.wheelhouse_root)
+        self.upload = LifecycleUpload(self, "Lifecycle", props=props, buckets=self.buckets, wheelhouses=wheelhouses,
+                                      agents=agents)
+        # The agents' archives travel with the wheelhouses (same prefix family, same read grant).
+        uploads = {**wheelhouses, **({"agents": agents} if agents is not None else {})}
+        self.wheelhouses = None if not uploads else WheelhouseUpload(
+            self, "Wheelhouses", wheelhouses=uploads, bucket=self.buckets.lifecycle)
         fs = props.storage.file_system
         self.fsx_mount = sagemaker.CfnCluster.ClusterInstanceStorageConfigProperty(
             fsx_lustre_config=sagemaker.CfnCluster.ClusterFsxLustreConfigProperty(

@@ -480,7 +480,8 @@ class PlatformConfig:
 
     def settings(self, *, region: str, data_bucket: str, artefacts_bucket: str, lifecycle_bucket: str,
                  package_hash: str, image_registry: str = "", remote_write_url: str = "",
-                 wheelhouses: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Any]:
+                 wheelhouses: Mapping[str, Mapping[str, str]] | None = None,
+                 offline_agents: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """platform-settings.json, uploaded next to the lifecycle scripts; lifecycle_scripts/settings.sh reads it.
 
         The node settings plus what the deployment's account and region decide (and the hash):
@@ -488,7 +489,8 @@ class PlatformConfig:
         ``image_registry``: this account's ECR registry, the only one a private cluster pulls from;
         ``remote_write_url``: the Prometheus workspace the controller's collector writes to
         (observability); ``wheelhouses``: env kind -> {prefix, lock_sha256, python}
-        (stacks/wheelhouse.py), private only, hashed with the node settings.
+        (stacks/wheelhouse.py) and ``offline_agents`` (``node_settings``), private only, hashed with
+        the node settings.
         """
         return {
             "region": region,
@@ -498,13 +500,17 @@ class PlatformConfig:
             "package_hash": package_hash,
             "image_registry": image_registry,
             "remote_write_url": remote_write_url,
-            **self.node_settings(wheelhouses),
+            **self.node_settings(wheelhouses, offline_agents),
         }
 
-    def node_settings(self, wheelhouses: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, Any]:
+    def node_settings(self, wheelhouses: Mapping[str, Mapping[str, str]] | None = None,
+                      offline_agents: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The settings a node installs that this configuration alone decides (no CDK token):
         hashed into the package prefix, so changing any of them is a new package to roll out.
-        ``wheelhouses`` (privateNetwork): named by the content hashes of their locks."""
+        ``wheelhouses`` (privateNetwork): named by the content hashes of their locks.
+        ``offline_agents`` (privateNetwork with observability): where the observability step finds
+        what it would otherwise download, ``{agents: {prefix, lock_sha256}, dcgm_exporter_repository}``
+        (stacks/cluster.py offline_agent_settings)."""
         return {
             "project": self.projectName,
             "cluster_name": self.clusterName,
@@ -522,7 +528,7 @@ class PlatformConfig:
             "container_runtime": self.containerRuntime,
             "private_network": self.privateNetwork,
             "wheelhouses": {kind: dict(w) for kind, w in (wheelhouses or {}).items()},
-            "observability": {"enabled": self.observability},
+            "observability": {"enabled": self.observability, **dict(offline_agents or {})},
         }
 
     @classmethod

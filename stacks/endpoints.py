@@ -5,14 +5,18 @@ subnet, so the list below is the whole of "what can leave the subnet". It is wri
 sources, each entry naming its own:
 
 - the code that runs on the nodes: every ``boto3`` client and ``aws <service>`` command under
-  training/ and lifecycle_scripts/ (``services_used`` finds them; tests/stacks/test_endpoints.py
+  training/ and lifecycle_scripts/ (``services_used`` finds them; tests/stacks/test_private_network.py
   fails when one has no endpoint here, so a new client cannot ship without one);
 - the agents on every HyperPod node: the HyperPod node agent (the actions of its managed policy,
   AmazonSageMakerClusterInstanceRolePolicy, mirrored in awslabs/awsome-distributed-ai
   1.architectures/5.sagemaker-hyperpod/1.AmazonSageMakerClustersExecutionRolePolicy.json) and the
   SSM agent (Session Manager, which HyperPod's node access uses);
 - the configuration: Secrets Manager with ``slurmAccounting`` (the controller reads slurmdbd's
-  secret), Amazon Managed Service for Prometheus with ``observability`` (stacks/observability.py).
+  secret), Amazon Managed Service for Prometheus with ``observability`` (stacks/observability.py),
+  SageMaker managed MLflow with ``mlflowTrackingServer``;
+- the packages the node envs install that call AWS themselves, not through a client in this code
+  (``PACKAGE_USES``: the sagemaker-mlflow plugin signs MLflow's REST calls to the tracking server),
+  found in the node requirements files by the same scan.
 
 Endpoint policies. VPC endpoint policies bound what may pass through the endpoint (they grant
 nothing; IAM still decides). Where a service accepts them they admit only this account's
@@ -58,13 +62,17 @@ SSM_ENDPOINTS_DOC = ("https://docs.aws.amazon.com/systems-manager/latest/usergui
 #:   Gateway Service", "Amazon Message Delivery Service"), so there is no resource to bound, and
 #:   the execution role's managed policy limits them.
 POLICY_KINDS = ("perimeter", "identity", "none")
+#: "resources": this account's identities on the resource ARNs ``Endpoint.resources`` names (the form of
+#:   AWS's own example for an endpoint service whose resources are known, e.g. MLflow's).
+POLICY_KINDS = (*POLICY_KINDS, "resources")
 #: When an endpoint exists: always, or only with a configuration key on.
-WHEN = ("always", "slurmAccounting", "observability")
+WHEN = ("always", "slurmAccounting", "observability", "mlflowTrackingServer")
+DEFAULT_PREFIX = "com.amazonaws"
 
 
 @dataclass(kw_only=True, frozen=True)
 class Endpoint:
-    """One interface endpoint: ``com.amazonaws.<region>.<service>``."""
+    """One interface endpoint: ``<prefix>.<region>.<service>`` (``com.amazonaws`` for most services)."""
 
     service: str
     why: str
@@ -75,14 +83,31 @@ class Endpoint:
     """The boto3 client / AWS CLI service names (``services_used``) this endpoint serves."""
     policy: str = "perimeter"
     when: str = "always"
+    prefix: str = DEFAULT_PREFIX
+    """What precedes the region in the service name (``aws.sagemaker`` for SageMaker MLflow)."""
+    actions: tuple[str, ...] = ()
+    resources: tuple[str, ...] = ()
+    """policy "resources": the actions and resource ARNs (``{partition}``, ``{region}``, ``{account}`` filled at synth)."""
+    private_dns: str = ""
+    """The host the clients call that the endpoint's private DNS answers for (``{region}`` filled), where
+    a test checks a client's URL against it."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9-]+(\.[a-z0-9-]+)?", self.service):
-            raise ValueError(f"endpoint service {self.service!r}: expected the part after com.amazonaws.<region>.")
+            raise ValueError(f"endpoint service {self.service!r}: expected the part after <prefix>.<region>.")
+        if self.prefix not in (DEFAULT_PREFIX, "aws.sagemaker"):
+            raise ValueError(f"endpoint {self.service}: prefix {self.prefix!r} not com.amazonaws or aws.sagemaker")
+        if (self.policy == "resources") != bool(self.actions and self.resources):
+            raise ValueError(f"endpoint {self.service}: policy 'resources' needs actions and resources, and only it")
         if self.policy not in POLICY_KINDS:
             raise ValueError(f"endpoint {self.service}: policy {self.policy!r} not one of {POLICY_KINDS}")
         if self.when not in WHEN:
             raise ValueError(f"endpoint {self.service}: when {self.when!r} not one of {WHEN}")
+
+    @property
+    def id(self) -> str:
+        """The service name without the region: ``ecr.api``, ``aws.sagemaker.experiments``."""
+        return self.service if self.prefix == DEFAULT_PREFIX else f"{self.prefix}.{self.service}"
 
 
 INTERFACE_ENDPOINTS: tuple[Endpoint, ...] = (
@@ -130,11 +155,41 @@ INTERFACE_ENDPOINTS: tuple[Endpoint, ...] = (
                  "ClusterAccountingDatabase.SecretArn names",
              source="stacks/accounting.py; stacks/cluster.py (ReadAccountingDatabaseSecret)"),
     Endpoint(service="aps-workspaces", uses=("aps-workspaces",), when="observability",
-             why="Prometheus remote write (SigV4) from the nodes' metrics agent to the Amazon Managed "
-                 "Service for Prometheus workspace",
-             source="awslabs/awsome-distributed-ai 1.architectures/7.sagemaker-hyperpod-eks/terraform-modules/"
+             private_dns="aps-workspaces.{region}.amazonaws.com",
+             why="Prometheus remote write (SigV4) from the controller's collector to the Amazon Managed "
+                 "Service for Prometheus workspace: its remote-write URL is the workspace's PrometheusEndpoint "
+                 "(https://aps-workspaces.<region>.amazonaws.com/workspaces/<id>/) + api/v1/remote_write, the data "
+                 "plane host this endpoint's private DNS answers for",
+             source="https://docs.aws.amazon.com/prometheus/latest/userguide/AMP-and-interface-VPC.html; "
+                    "https://docs.aws.amazon.com/general/latest/gr/prometheus-service.html; "
+                    "stacks/observability.py (MetricsWorkspace.remote_write_url); "
+                    "awslabs/awsome-distributed-ai 1.architectures/7.sagemaker-hyperpod-eks/terraform-modules/"
                     "hyperpod-eks-tf/modules/observability/vpc_endpoints.tf"),
+    # SageMaker managed MLflow: the tracking server's REST API. The service name is
+    # aws.sagemaker.<region>.experiments (aws/aws-cdk packages/aws-cdk-lib/aws-ec2/lib/vpc-endpoint.ts,
+    # SAGEMAKER_EXPERIMENTS); the plugin calls https://<region>.experiments.sagemaker.aws for a
+    # tracking-server ARN (aws/sagemaker-mlflow sagemaker_mlflow/mlflow_sagemaker_helpers.py) and signs
+    # as sagemaker-mlflow (auth_provider.py). The policy is AWS's example: sagemaker-mlflow:* on this
+    # account's tracking servers (mlflow-private-link-policy.html).
+    Endpoint(service="experiments", prefix="aws.sagemaker", uses=("sagemaker-mlflow",), when="mlflowTrackingServer",
+             policy="resources", actions=("sagemaker-mlflow:*",),
+             resources=("arn:{partition}:sagemaker:{region}:{account}:mlflow-tracking-server/*",),
+             private_dns="{region}.experiments.sagemaker.aws",
+             why="training jobs' MLflow tracking (tracking.uri = the platform's tracking server ARN): the "
+                 "sagemaker-mlflow plugin's REST calls to the tracking server",
+             source="https://docs.aws.amazon.com/sagemaker/latest/dg/mlflow-interface-endpoint.html; "
+                    "https://docs.aws.amazon.com/sagemaker/latest/dg/mlflow-private-link-policy.html; "
+                    "training/observability/tracking.py"),
 )
+
+#: Packages the node envs install (training/requirements-*.txt) that call AWS APIs from their own code,
+#: which the client scan of this repository cannot see: name -> the services they call.
+#: sagemaker-mlflow: its REST store signs every tracking request as ``sagemaker-mlflow`` for a
+#: tracking-server ARN (aws/sagemaker-mlflow sagemaker_mlflow/auth_provider.py _get_auth_service_name)
+#: and sends it to <region>.experiments.sagemaker.aws (mlflow_sagemaker_helpers.py); its STS and
+#: SageMaker API calls (auth.py with an assumed role, presigned_url.py for the UI) are served by the
+#: sts and sagemaker.api endpoints.
+PACKAGE_USES: Mapping[str, tuple[str, ...]] = {"sagemaker-mlflow": ("sagemaker-mlflow", "sts", "sagemaker")}
 
 #: Served by the S3 *gateway* endpoint (no interface endpoint; the route table carries S3's prefix list).
 GATEWAY_USES = ("s3", "s3api")
@@ -167,15 +222,18 @@ SSM_AWS_OWNED_ACTIONS = ("ssm:Describe*", "ssm:List*", "ssm:Get*", "ssm:SendComm
 def required_endpoints(config: Any) -> tuple[Endpoint, ...]:
     """The interface endpoints a private cluster with this configuration needs."""
     on = {"always": True, "slurmAccounting": bool(config.slurmAccounting),
-          "observability": bool(config.observability)}
+          "observability": bool(config.observability), "mlflowTrackingServer": bool(config.mlflowTrackingServer)}
     return tuple(e for e in INTERFACE_ENDPOINTS if on[e.when])
 
 
 # ---- what the node code calls --------------------------------------------------------------------
 _CLIENT = re.compile(r"""\b(?:client|resource)\(\s*["']([a-z0-9-]+)["']""")
 _CLI = re.compile(r"""(?<![\w./-])aws\s+([a-z0-9-]+)\s+[a-z]""")
-_REGISTRY_PULL = re.compile(r"""\benroot\s+import\b|\bdocker\s+pull\b|\bpodman\s+pull\b""")
+#: enroot import; docker/podman pull, global options between them included (``docker --config D pull``,
+#: ``"${docker[@]}" pull``)
+_REGISTRY_PULL = re.compile(r"""\benroot\s+import\b|\b(?:docker|podman)\b[^|;&]*\spull\b""")
 SCANNED_SUFFIXES = (".py", ".sh", ".sbatch")
+_REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*==")
 
 
 def aws_service_names() -> frozenset[str]:
@@ -190,23 +248,40 @@ def services_used(roots: Iterable[Path] = NODE_CODE) -> dict[str, list[str]]:
 
     ``boto3.client("x")`` / ``session.client("x")`` / ``resource("x")`` in Python (also in
     Python embedded in shell scripts), ``aws x <command>`` in shell, Python and comments alike
-    (a runbook hint names a call someone will make), and ``ecr-registry`` for an image pull
-    (enroot import, docker/podman pull). Words after ``aws`` that are not AWS services are ignored.
+    (a runbook hint names a call someone will make), ``ecr-registry`` for an image pull
+    (enroot import, docker/podman pull), and the services of a ``PACKAGE_USES`` package pinned in a
+    ``requirements*.txt`` (what the node envs install). Words after ``aws`` that are not AWS services
+    are ignored.
     """
     known = aws_service_names()
     found: dict[str, list[str]] = {}
     for root in roots:
-        for path in sorted(p for p in root.rglob("*") if p.suffix in SCANNED_SUFFIXES and p.is_file()):
+        for path in sorted(p for p in root.rglob("*") if (p.suffix in SCANNED_SUFFIXES or _is_requirements(p))
+                           and p.is_file()):
             if "__pycache__" in path.parts:
                 continue
             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
                 where = f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{number}"
+                if _is_requirements(path):
+                    pinned = _REQUIREMENT.match(line)
+                    for name in PACKAGE_USES.get(_canonical(pinned[1]), ()) if pinned else ():
+                        found.setdefault(name, []).append(where)
+                    continue
                 names = set(_CLIENT.findall(line)) | {n for n in _CLI.findall(line) if n in known}
                 if _REGISTRY_PULL.search(line) and not line.lstrip().startswith("#"):
                     names.add("ecr-registry")
                 for name in names:
                     found.setdefault(name, []).append(where)
     return found
+
+
+def _is_requirements(path: Path) -> bool:
+    return path.name.startswith("requirements") and path.suffix == ".txt"
+
+
+def _canonical(name: str) -> str:
+    """PEP 503 normalized project name."""
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def uncovered(used: Mapping[str, list[str]], endpoints: Iterable[Endpoint]) -> dict[str, list[str]]:
@@ -221,6 +296,12 @@ def endpoint_policy(endpoint: Endpoint, *, account: str, region: str, partition:
     if endpoint.policy == "none":
         return None
     identity = {"aws:PrincipalAccount": account}
+    if endpoint.policy == "resources":
+        return {"Version": "2012-10-17", "Statement": [
+            {"Sid": "ThisAccountsIdentitiesToTheseResources", "Effect": "Allow", "Principal": "*",
+             "Action": list(endpoint.actions),
+             "Resource": [r.format(partition=partition, region=region, account=account) for r in endpoint.resources],
+             "Condition": {"StringEquals": identity}}]}
     statements = [
         {"Sid": "ThisAccountsIdentities" + ("ToThisAccountsResources" if endpoint.policy == "perimeter" else ""),
          "Effect": "Allow", "Principal": "*", "Action": "*", "Resource": "*",

@@ -1,6 +1,7 @@
-"""ECR repositories for the training images (containers/gpu.Dockerfile, containers/neuron.Dockerfile).
+"""ECR repositories for the training images (containers/gpu.Dockerfile, containers/neuron.Dockerfile),
+and for the third-party images a private cluster pulls from this account instead of their registry.
 
-One repository per image, named ``<project>/sana-<kind>`` (``<project>-g<N>/sana-<kind>`` from
+One repository per image, named ``<project>/sana-<kind>`` (a mirrored image: ``<project>/<image>``) (``<project>-g<N>/sana-<kind>`` from
 deploymentGeneration 2 on; what ``python -m containers.image push`` pushes to): scan on push, immutable tags (a tag is ``<package hash>-<recipe hash>`` and must
 always mean the same bytes; pyxis/enroot imports are cached by it on /fsx/images), encrypted
 with the platform KMS key, a lifecycle rule that expires untagged images beyond the last
@@ -30,6 +31,10 @@ from constructs import Construct
 from stacks.common import acknowledge
 
 IMAGE_KINDS = ("gpu", "neuron")
+#: Third-party images a private cluster pulls from this account's ECR instead of their registry
+#: (``make mirror-dcgm-image`` copies the pinned tag in: containers/image.py ``mirror``); the pins
+#: are lifecycle_scripts/agent_releases.py's.
+MIRRORED_IMAGES = ("dcgm-exporter",)
 KEEP_UNTAGGED = 5
 # What `enroot import docker://...` (and docker/podman pull) calls on a repository
 # (Amazon ECR User Guide, "Repository policy examples": pull = these three).
@@ -41,16 +46,23 @@ def repository_name(name_prefix: str, kind: str) -> str:
     return f"{name_prefix}/sana-{kind}"
 
 
+def mirror_repository_name(name_prefix: str, image: str) -> str:
+    """The repository holding a mirrored third-party image (MIRRORED_IMAGES): ``<prefix>/<image>``."""
+    return f"{name_prefix}/{image}"
+
+
 class ImageRepositories(Construct):
-    """``repositories[kind]`` for every image kind, pullable by the cluster execution role only."""
+    """``repositories[kind]`` for every image kind and mirrored image, pullable by the cluster execution role only."""
 
     def __init__(self, scope: Construct, id: str, *, name_prefix: str, pull_role_arn: str, key: kms.IKey,
                  removal_policy: cdk.RemovalPolicy) -> None:
         super().__init__(scope, id)
         self.repositories: dict[str, ecr.Repository] = {}
-        for kind in IMAGE_KINDS:
+        names = {**{kind: repository_name(name_prefix, kind) for kind in IMAGE_KINDS},
+                 **{image: mirror_repository_name(name_prefix, image) for image in MIRRORED_IMAGES}}
+        for kind, name in names.items():
             repo = ecr.Repository(
-                self, kind.capitalize(), repository_name=repository_name(name_prefix, kind),
+                self, "".join(part.capitalize() for part in kind.split("-")), repository_name=name,
                 image_scan_on_push=True, image_tag_mutability=ecr.TagMutability.IMMUTABLE,
                 encryption=ecr.RepositoryEncryption.KMS, encryption_key=key,
                 lifecycle_rules=[ecr.LifecycleRule(

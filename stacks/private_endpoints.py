@@ -30,12 +30,13 @@ class PrivateEndpointsProps:
 
 
 def logical_id(service: str) -> str:
-    """``ecr.api`` -> ``EcrApi``: a stable construct id per service."""
+    """``ecr.api`` -> ``EcrApi``, ``aws.sagemaker.experiments`` -> ``AwsSagemakerExperiments``: a stable
+    construct id per service."""
     return "".join(part.capitalize() for part in service.replace("-", ".").split("."))
 
 
 class PrivateEndpoints(Construct):
-    """``endpoints[service]``: one interface endpoint per entry, behind ``security_group``."""
+    """``endpoints[id]`` (Endpoint.id): one interface endpoint per entry, behind ``security_group``."""
 
     def __init__(self, scope: Construct, id: str, *, props: PrivateEndpointsProps) -> None:
         super().__init__(scope, id)
@@ -51,8 +52,8 @@ class PrivateEndpoints(Construct):
         for endpoint in props.endpoints:
             policy = endpoint_policy(endpoint, account=cdk.Aws.ACCOUNT_ID, region=cdk.Aws.REGION,
                                      partition=cdk.Aws.PARTITION)
-            self.endpoints[endpoint.service] = ec2.CfnVPCEndpoint(
-                self, logical_id(endpoint.service), vpc_id=props.vpc.vpc_id, vpc_endpoint_type="Interface",
-                service_name=f"com.amazonaws.{cdk.Aws.REGION}.{endpoint.service}",
+            self.endpoints[endpoint.id] = ec2.CfnVPCEndpoint(
+                self, logical_id(endpoint.id), vpc_id=props.vpc.vpc_id, vpc_endpoint_type="Interface",
+                service_name=f"{endpoint.prefix}.{cdk.Aws.REGION}.{endpoint.service}",
                 subnet_ids=[props.subnet.ref], security_group_ids=[self.security_group.security_group_id],
                 private_dns_enabled=True, policy_document=policy)

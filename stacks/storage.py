@@ -264,14 +264,18 @@ class StorageStack(cdk.Stack):
                 project=config.projectName, name_prefix=config.retained_prefix, vpc=network.vpc,
                 network=network.accounting, key=self.buckets.key,
                 removal_policy=removal, log_retention_days=config.logRetentionDays))
-        # Training images (containers/, runbooks/containers.md), kept with the data: pulled by the
-        # nodes' role only, which the cluster stack creates under its fixed name.
+        # Training images (containers/, runbooks/containers.md) and mirrored third-party images,
+        # kept with the data: pulled by the nodes' role only, which the cluster stack creates under
+        # its fixed name.
         self.images = ImageRepositories(self, "Images", name_prefix=config.retained_prefix,
                                         pull_role_arn=execution_role_arn(config.projectName), key=self.buckets.key,
                                         removal_policy=removal)
         for kind, label in (("gpu", "Gpu"), ("neuron", "Neuron")):
             cdk.CfnOutput(self, f"{label}ImageRepositoryUri", value=self.images.repositories[kind].repository_uri,
                           description=f"ECR repository of the {label} training image (make push-image IMAGE={kind})")
+        cdk.CfnOutput(self, "DcgmExporterRepositoryUri", value=self.images.repositories["dcgm-exporter"].repository_uri,
+                      description="ECR mirror of the DCGM exporter image a private cluster's GPU nodes pull "
+                                  "(make mirror-dcgm-image)")
         # Outputs live where the values are made (an output re-exporting an import is W6001).
         cdk.CfnOutput(self, "FsxDnsName", value=self.file_system.dns_name, description="FSx for Lustre DNS name")
         cdk.CfnOutput(self, "FsxMountName", value=self.file_system.mount_name,

@@ -17,6 +17,7 @@ redeploy of the same wheelhouse writes the same objects.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import aws_cdk as cdk
 from aws_cdk import aws_s3 as s3
@@ -51,10 +52,22 @@ def wheelhouses_for(cfg: PlatformConfig, root: Path) -> dict[str, Wheelhouse]:
     return found
 
 
-class WheelhouseUpload(Construct):
-    """One BucketDeployment per part of each wheelhouse (``deployments``)."""
+class Uploadable(Protocol):
+    """A wheelhouse, or the observability agents' archives (stacks/agent_releases.py AgentBundle)."""
 
-    def __init__(self, scope: Construct, id: str, *, wheelhouses: dict[str, Wheelhouse],
+    path: Path
+
+    @property
+    def prefix(self) -> str: ...
+
+    def upload_parts(self, max_bytes: int = ...) -> list[list[str]]: ...
+
+
+class WheelhouseUpload(Construct):
+    """One BucketDeployment per part of each wheelhouse (``deployments``); the observability agents'
+    archives of a private cluster travel the same way, as kind ``agents``."""
+
+    def __init__(self, scope: Construct, id: str, *, wheelhouses: dict[str, Uploadable],
                  bucket: s3.IBucket, part_bytes: int = UPLOAD_PART_BYTES) -> None:
         super().__init__(scope, id)
         self.deployments: list[s3deploy.BucketDeployment] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,50 @@ def test_user_errors_are_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "containers.image: unknown image 'cpu'; use one of: gpu, neuron"
     assert main(["push", "gpu", "--registry", "example.com"]) == 2
     assert "not an ECR registry" in capsys.readouterr().err
+
+
+def _recording_tools(bin_dir: Path, calls: Path, *, pull_ok: bool) -> None:
+    """docker and aws that record their arguments (the registries they would reach are out of reach
+    here): `docker pull` of nvcr.io succeeds or fails as asked, `aws ecr get-login-password` prints a token, the rest succeed."""
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(
+        f'#!/bin/sh\necho "docker $*" >>{calls}\n'
+        f'case $1 in pull) {"exit 0" if pull_ok else "echo unauthorized >&2; exit 1"};; login) cat >>{calls};; esac\n')
+    (bin_dir / "aws").write_text(f'#!/bin/sh\necho "aws $*" >>{calls}\necho token-from-aws\n')
+    for tool in ("docker", "aws"):
+        (bin_dir / tool).chmod(0o755)
+
+
+def test_mirror_copies_the_pinned_dcgm_image_into_the_platforms_repository(tmp_path, monkeypatch, capsys):
+    """`make mirror-dcgm-image`: the pinned tag (lifecycle_scripts/agent_releases.py) pulled from NGC, then
+    tagged and pushed to <registry>/<project>/dcgm-exporter, the repository stacks/images.py creates and
+    the private cluster's nodes pull (observability.dcgm_exporter_repository)."""
+    from stacks.agent_releases import DCGM_EXPORTER
+
+    calls = tmp_path / "calls"
+    _recording_tools(tmp_path / "bin", calls, pull_ok=True)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("SANA_IMAGE_BUILDER", "docker")
+    registry = "123456789012.dkr.ecr.eu-west-1.amazonaws.com"
+    assert main(["mirror", "dcgm-exporter", "--registry", registry]) == 0
+    source = f"nvcr.io/nvidia/k8s/dcgm-exporter:{DCGM_EXPORTER.tag}"
+    remote = f"{registry}/sana/dcgm-exporter:{DCGM_EXPORTER.tag}"
+    assert capsys.readouterr().out.strip() == remote
+    assert calls.read_text().splitlines() == [
+        f"docker pull {source}", "aws ecr get-login-password --region eu-west-1",
+        f"docker login --username AWS --password-stdin {registry}", "token-from-aws",
+        f"docker tag {source} {remote}", f"docker push {remote}"]
+
+
+def test_a_mirror_that_cannot_pull_stops_before_any_login_in_one_line(tmp_path, monkeypatch, capsys):
+    calls = tmp_path / "calls"
+    _recording_tools(tmp_path / "bin", calls, pull_ok=False)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("SANA_IMAGE_BUILDER", "docker")
+    assert main(["mirror", "dcgm-exporter", "--registry", "123456789012.dkr.ecr.eu-west-1.amazonaws.com"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("containers.image: docker pull nvcr.io/nvidia/k8s/dcgm-exporter:") and \
+        err[-1].endswith("failed: run the mirror where nvcr.io is reachable")
+    assert "login" not in calls.read_text()
+    assert main(["mirror", "node-exporter", "--registry", "123456789012.dkr.ecr.eu-west-1.amazonaws.com"]) == 2
+    assert capsys.readouterr().err.strip() == "containers.image: mirror node-exporter: the mirrored images are dcgm-exporter"

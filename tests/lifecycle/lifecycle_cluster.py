@@ -43,6 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import node_model
+from standin_network import AWS as _AWS
+from standin_network import CURL as _CURL
+from standin_network import DOCKER as _DOCKER
+
+from tests.release_standins import publish_agent_releases as observability_sources  # noqa: F401 - the tests' name
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "lifecycle_scripts"
@@ -163,23 +168,32 @@ STANDINS = {
              '  if [ -f "$PLATFORM_ROOT$so" ]; then echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"; break; fi; done'),
     # `aws s3 cp --recursive --region R s3://BUCKET/PREFIX DIR` on a node (system.sh s3_download_prefix):
     # every object under the prefix into DIR, keys relative to it, and exit 0 when there is none (AWS
-    # CLI Command Reference, s3 cp). Here bucket B is the directory $STANDIN_S3/B. A private subnet
-    # reaches S3 only through its own region's gateway endpoint: any other region (or none, the
-    # CLI's us-east-1 default) gets the CLI's connection error and exit 255, as a node would.
-    "aws": ('[ "$1 $2" = "s3 cp" ] || { echo "aws $1 $2: not stood in" >&2; exit 252; }\n'
-            'shift 2; region=; src=; dst=\n'
-            'while [ $# -gt 0 ]; do case $1 in --region) region=$2; shift 2;; s3://*) src=${1#s3://}; shift;;\n'
-            '  --*) shift;; *) dst=$1; shift;; esac; done\n'
-            'if [ "$region" != "$STANDIN_REGION" ]; then\n'
-            '  echo "Could not connect to the endpoint URL: \\"https://s3.${region:-us-east-1}.amazonaws.com/${src%%/*}\\"" >&2; exit 255; fi\n'
-            'mkdir -p "$dst"; if [ -d "$STANDIN_S3/$src" ]; then cp -R "$STANDIN_S3/$src/." "$dst/"; fi'),
-    # `docker pull --quiet IMAGE` on a GPU node (HyperPod's AMI runs Docker): the digest line when
-    # the registry has IMAGE ($STANDIN_DOCKER_IMAGES stands for what the registry holds), else
-    # Docker's own refusal and exit 1.
-    "docker": ('[ "$1" = pull ] || { echo "docker $1: not stood in" >&2; exit 1; }\n'
-               'for image; do :; done\n'
-               'case " $STANDIN_DOCKER_IMAGES " in *" $image "*) echo "$image"; exit 0;; esac\n'
-               'echo "Error response from daemon: manifest for $image not found: manifest unknown: manifest unknown" >&2; exit 1'),
+    # CLI Command Reference, s3 cp). `aws s3 cp --region R s3://BUCKET/KEY FILE` (s3_download_object):
+    # that one object, or for a missing key the CLI's "fatal error: An error occurred (404) when calling
+    # the HeadObject operation: Key "KEY" does not exist" and exit 1 (aws/aws-cli#6660 shows it). Here
+    # bucket B is the directory $STANDIN_S3/B. A private subnet reaches S3 only through its own
+    # region's gateway endpoint: any other region (or none, the CLI's us-east-1 default) gets the CLI's
+    # connection error and exit 255, as a node would. `aws ecr get-login-password --region R`: a token
+    # (the ECR endpoints of the node's region), the same connection error elsewhere.
+    "aws": _AWS,
+    # docker on a GPU node (HyperPod's AMI runs Docker). Global `--config DIR` (docker(1): where the
+    # client keeps its configuration, default ~/.docker). `login --username AWS --password-stdin
+    # REGISTRY`: a token on stdin is recorded in DIR/config.json's "auths" ("Login Succeeded"), none is
+    # Docker's non-TTY refusal. `pull --quiet IMAGE`: the image line when the registry has IMAGE
+    # ($STANDIN_DOCKER_IMAGES stands for what the registries hold), else Docker's "manifest unknown";
+    # an ECR image without a login in the config is "no basic auth credentials" (the daemon's answer
+    # when ECR gets no token, aws/amazon-vpc-cni-k8s#1217); in a private subnet
+    # ($STANDIN_PRIVATE_SUBNET) a registry other than the node region's ECR is the daemon's timeout
+    # ("net/http: request canceled while waiting for connection (Client.Timeout exceeded while
+    # awaiting headers)", NVIDIA-NeMo/Speech#7354 for nvcr.io).
+    "docker": _DOCKER,
+    # curl on a node: the real one, except in a private subnet ($STANDIN_PRIVATE_SUBNET) for any URL
+    # but file://, which fails the way curl fails where the route table has no route (the subnet's
+    # router drops the SYNs): after --connect-timeout, once per attempt (1 + --retry), "curl: (28)
+    # Failed to connect to <host> port 443 after <ms> ms: Timeout was reached", exit 28 (measured
+    # with curl 7.88.1 in a network namespace whose OUTPUT chain drops the packets), here without
+    # waiting; every attempt is recorded in $STANDIN_LOG as "curl-attempt <url>".
+    "curl": _CURL,
 }
 # iptables / ip6tables on a node: the IMDS step's rules (lifecycle_scripts/imds_block.sh). Here a
 # stand-in keeps them per node under $PLATFORM_ROOT/run/standin-netfilter: this machine's own
@@ -358,36 +372,6 @@ def container_sources(dist: Path) -> dict[str, str]:
         for path in sorted((STANDIN_DIR / "standin_pyxis").iterdir()):
             tar.add(path, arcname=f"pyxis-0.19.0/{path.name}")
     return {"LIFECYCLE_ENROOT_RELEASE_URL": release.as_uri(), "LIFECYCLE_PYXIS_SOURCE_URL": archive.as_uri()}
-
-
-#: the observability step's pins (lifecycle_scripts/observability.sh)
-OBSERVABILITY_VERSIONS = {"node_exporter": "1.9.1", "prometheus": "2.53.4", "slurm_exporter": "1.6.1"}
-
-
-def observability_sources(dist: Path, versions: dict[str, str] | None = None) -> dict[str, str]:
-    """Stand-ins of the release archives the observability step downloads, laid out as the
-    projects publish them (<name>-<version>.linux-<arch>.tar.gz holding <name>-<version>.linux-<arch>/
-    <name>, the promu layout of prometheus/node_exporter and prometheus/prometheus releases). Each
-    binary answers ``--version`` in the real programs' format ("<name>, version X.Y.Z (branch: ...,
-    revision: ...)"). promtool is the real one (Debian's), so the collector's configuration is
-    checked for real. Returns the LIFECYCLE_* settings naming them."""
-    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
-    out = {}
-    for name, version in {**OBSERVABILITY_VERSIONS, **(versions or {})}.items():
-        top = f"{name}-{version}.linux-{arch}"
-        tree = dist / name / top
-        tree.mkdir(parents=True)
-        (tree / name).write_text(f'#!/bin/sh\n# stand-in for {name} {version}\n'
-                                 f'case "$1" in --version) echo "{name}, version {version} (branch: HEAD, revision: '
-                                 f'0000000)"; echo "  build user: stand-in";; *) exit 0;; esac\n')
-        (tree / name).chmod(0o755)
-        if name == "prometheus":
-            (tree / "promtool").write_text('#!/bin/sh\nexec /usr/bin/promtool "$@"\n')
-            (tree / "promtool").chmod(0o755)
-        with tarfile.open(dist / name / f"{top}.tar.gz", "w:gz") as tar:
-            tar.add(tree, arcname=top)
-        out[f"LIFECYCLE_{name.upper()}_URL"] = (dist / name).as_uri()
-    return out
 
 
 def make_bundle(dest: Path, wheels: dict[str, Path], *, package_hash: str,

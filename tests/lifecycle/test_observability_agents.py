@@ -1,17 +1,21 @@
 """The observability step (lifecycle_scripts/observability.sh) in a pretend node root, with the
 pretend cluster's stand-ins (systemctl restart with Type=exec's refusal of a missing program,
-docker pull refusing an image the registry lacks) and stand-in release archives fetched over
-file:// (lifecycle_cluster.observability_sources; promtool is the real one). What it writes is
+docker pull refusing an image the registry lacks) and stand-in release archives published as the
+projects publish them, with their checksum files, fetched over file:// by the real curl
+(lifecycle_cluster.observability_sources; promtool is the real one). A private cluster's path is
+tests/lifecycle/test_observability_private.py. What it writes is
 checked with the real tools where they run here: the EFA/Lustre textfile through Debian's node
 exporter, the collector's configuration through promtool. Every part that fails is one WARN
 line; the node never fails for it."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
-import re
 import subprocess
+import tarfile
 import urllib.request
 from pathlib import Path
 
@@ -142,18 +146,74 @@ def test_the_controller_runs_the_slurm_exporter_and_a_checked_collector_config(t
     assert "promtool refuses" not in done.stdout
 
 
+def repack(releases: Path, name: str, *, reports: str | None = None, extra: bytes = b"") -> Path:
+    """Replace the stand-in release archive of ``name`` in the published releases (the pins of
+    observability_sources): its binary reporting ``reports`` as its version, or the same archive with
+    ``extra`` bytes appended (an archive altered after the sha256 was recorded). Returns the archive."""
+    pins = json.loads((releases / "agent-releases.json").read_text())["releases"][name]
+    (archive,) = (releases / pins["repository"]).glob(f"releases/download/v{pins['version']}/*.tar.gz")
+    if reports is not None:
+        with tarfile.open(archive) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith(f"/{name}") or m.name == name)
+        script = f'#!/bin/sh\necho "{name}, version {reports} (branch: HEAD, revision: 0000000)"\n'.encode()
+        member.size = len(script)
+        with tarfile.open(archive, "w:gz") as out:
+            out.addfile(member, io.BytesIO(script))
+    with archive.open("ab") as f:
+        f.write(extra)
+    return archive
+
+
+def record_sha256(releases: Path, name: str, archive: Path) -> None:
+    """The pins record ``archive``'s sha256 for ``name`` (as if the pin had been taken from it)."""
+    path = releases / "agent-releases.json"
+    data = json.loads(path.read_text())
+    data["releases"][name].update(sha256=hashlib.sha256(archive.read_bytes()).hexdigest(), sha256_source="test")
+    path.write_text(json.dumps(data))
+
+
 def test_a_release_that_is_not_the_pinned_version_is_refused_with_one_warning(tmp_path, standins):
-    wrong = observability_sources(tmp_path / "wrong", {"node_exporter": "1.8.0"})
-    (tmp_path / "wrong/node_exporter/node_exporter-1.8.0.linux-amd64.tar.gz").rename(
-        tmp_path / "wrong/node_exporter/node_exporter-1.9.1.linux-amd64.tar.gz")
-    root, env = node(tmp_path, standins, "login", LIFECYCLE_NODE_EXPORTER_URL=wrong["LIFECYCLE_NODE_EXPORTER_URL"])
+    root, env = node(tmp_path, standins, "login")
+    archive = repack(tmp_path / "releases", "node_exporter", reports="1.8.0")
+    record_sha256(tmp_path / "releases", "node_exporter", archive)  # the sha256 matches: the version check refuses it
     done = run(env)
     assert done.returncode == 0
     (warning,) = warnings(tmp_path)
-    assert re.fullmatch(r"node_exporter: file://\S+ holds 'node_exporter, version 1\.8\.0 \(branch: HEAD, revision: "
-                        r"0000000\)', not version 1\.9\.1", warning), warning
+    assert warning == ("node_exporter: node_exporter-1.9.1.linux-amd64.tar.gz holds 'node_exporter, version 1.8.0 "
+                       "(branch: HEAD, revision: 0000000)', not version 1.9.1"), warning
     assert not (root / "opt/sana-observability/bin/node_exporter").exists()
     assert not (root / "fsx/observability/nodes/login-1.json").exists()  # nothing to scrape here
+
+
+def test_an_archive_that_is_not_the_recorded_sha256_is_refused_before_it_runs(tmp_path, standins):
+    """node_exporter's pin records its sha256; the archive GitHub serves differs (one byte appended):
+    refused in one line naming both sha256, nothing extracted or run."""
+    root, env = node(tmp_path, standins, "login")
+    pinned = json.loads((tmp_path / "releases/agent-releases.json").read_text())["releases"]["node_exporter"]["sha256"]
+    archive = repack(tmp_path / "releases", "node_exporter", extra=b"\0")
+    assert run(env).returncode == 0
+    (warning,) = warnings(tmp_path)
+    found = hashlib.sha256(archive.read_bytes()).hexdigest()
+    assert warning == (f"node_exporter 1.9.1: node_exporter-1.9.1.linux-amd64.tar.gz has sha256 {found}, not {pinned} "
+                       f"(the recorded pin) (from {archive.as_uri()}); not installed")
+    assert not (root / "opt/sana-observability/bin/node_exporter").exists()
+
+
+def test_without_a_recorded_sha256_the_release_checksum_file_decides(tmp_path, standins):
+    """slurm_exporter's pin records no sha256 (none was found in a public source): the controller
+    checks the archive against the release's own slurm_exporter_checksums.txt."""
+    root, env = node(tmp_path, standins, "controller")
+    done = run(env)
+    assert done.returncode == 0 and warnings(tmp_path) == []
+    assert "slurm_exporter 1.8.3: sha256 " in done.stdout and \
+        "matches the release's slurm_exporter_checksums.txt" in done.stdout
+    (root / "opt/sana-observability/bin/slurm_exporter").unlink()
+    archive = repack(tmp_path / "releases", "slurm_exporter", extra=b"\0")
+    assert run(env).returncode == 0
+    (warning,) = warnings(tmp_path)
+    assert warning.startswith("slurm_exporter 1.8.3: slurm_exporter-1.8.3-linux-amd64.tar.gz has sha256 ")
+    assert f"(the release's slurm_exporter_checksums.txt) (from {archive.as_uri()}); not installed" in warning
+    assert not (root / "opt/sana-observability/bin/slurm_exporter").exists()
 
 
 def test_a_dcgm_image_the_registry_lacks_and_missing_neuron_tools_are_warnings(tmp_path, standins):
@@ -167,7 +227,9 @@ def test_a_dcgm_image_the_registry_lacks_and_missing_neuron_tools_are_warnings(t
     env["STEP_WARN_FILE"] = str(tmp_path / "warnings")
     assert run(env).returncode == 0
     assert warnings(tmp_path) == ["neuron-monitor: /opt/aws/neuron/bin/neuron-monitor or neuron-monitor-prometheus.py "
-                                  "is missing (aws-neuronx-tools); no NeuronCore metrics from this node"]
+                                  "is missing (aws-neuronx-tools, which the HyperPod Trainium AMI ships; nothing "
+                                  "installs it from Neuron's apt repository, out of reach on a private cluster): use "
+                                  "an AMI that has it; no NeuronCore metrics from this node"]
 
 
 def test_a_trn_node_pipes_neuron_monitor_into_its_prometheus_exporter(tmp_path, standins):

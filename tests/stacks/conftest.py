@@ -15,9 +15,10 @@ variants are chosen to cover every shape the issue names with three apps:
   another log retention.
 
 - ``private``: privateNetwork on (no NAT or internet gateway, interface endpoints, the
-  wheelhouse uploads) with slurmAccounting (the Secrets Manager endpoint); its wheelhouses are
-  stand-ins ``stand_in_wheelhouses`` makes for the real requirements files (the real ones are
-  several GB; tests/lifecycle/test_private_env.py builds a small real one).
+  wheelhouse uploads) with slurmAccounting (the Secrets Manager endpoint) and the SageMaker MLflow
+  tracking server (its endpoint); its wheelhouses are stand-ins ``stand_in_wheelhouse`` makes for
+  the real requirements files (the real ones are several GB; tests/lifecycle/test_private_env.py
+  builds a small real one), and ``stand_in_agent_bundle`` the observability agents' archives.
 The ``<project>-observability`` stack is on by default (``default``, ``gpu_only``); ``trn_only``
 turns it off, and ``accounting`` adds its optional parts (Managed Grafana, the SageMaker MLflow
 tracking server, an alert email, another stall window).
@@ -62,7 +63,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
                    "grafana": "true", "mlflowTrackingServer": "true", "alertEmail": "oncall@example.com",
                    "stallMinutes": "45",
                    "servingModelDataUrl": "s3://sana-artefacts-123456789012-us-east-1/serving/model-ba9876543210.tar.gz"},
-    "private": {"privateNetwork": "true", "slurmAccounting": "true"},
+    "private": {"privateNetwork": "true", "slurmAccounting": "true", "mlflowTrackingServer": "true"},
 }
 # The next deployment after a full teardown (tests/stacks/test_redeploy.py).
 VARIANTS["default_g2"] = {"deploymentGeneration": 2}
@@ -156,6 +157,21 @@ def stand_in_wheelhouse(root: Path, kind: str, names: tuple[str, ...] = ("torch"
     return wheelhouse.finish(incoming, kind=kind, target=wheelhouse.Target(), root=root).path
 
 
+def stand_in_agent_bundle(root: Path) -> Path:
+    """The observability agents' bundle for the real pins, holding small stand-in archives (the real ones
+    come from GitHub: tests/stacks/test_agent_releases.py builds one from releases served on loopback),
+    locked by the real stacks/agent_releases.py ``finish``."""
+    from stacks import agent_releases
+
+    incoming = root / ".incoming-agents"
+    incoming.mkdir(parents=True)
+    sha256s = {}
+    for name, release in agent_releases.RELEASES.items():
+        (incoming / release.asset).write_bytes(f"stand-in {release.asset} (tests/stacks)".encode())
+        sha256s[name] = agent_releases.pins.sha256_of(incoming / release.asset)
+    return agent_releases.finish(incoming, releases=agent_releases.RELEASES, sha256s=sha256s, root=root).path
+
+
 def expected_package_hash(context: dict[str, Any], wheelhouse_root: Path | None = None) -> str:
     """The package hash of the tree now, for a variant's configuration (code + node settings)."""
     from stacks.cluster import deployment_package_hash
@@ -174,6 +190,7 @@ def _synth(name: str, outdir: Path) -> Synth:
         wheelhouses = outdir.parent / f"{outdir.name}-wheelhouses"
         for kind in ("gpu", "neuron"):
             stand_in_wheelhouse(wheelhouses, kind)
+        stand_in_agent_bundle(wheelhouses)
     expected_hash = expected_package_hash(context, wheelhouses)
     cli_output = ""
     if name in CLI_VARIANTS:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from stacks.images import IMAGE_KINDS, KEEP_UNTAGGED, PULL_ACTIONS
+from stacks.agent_releases import DCGM_EXPORTER
+from stacks.images import IMAGE_KINDS, KEEP_UNTAGGED, MIRRORED_IMAGES, PULL_ACTIONS
 
 
 def _repos(synth) -> dict[str, dict]:
@@ -21,7 +22,10 @@ def _execution_role_id(synth) -> str:
 
 def test_one_repository_per_image_scanned_immutable_kms_with_the_platform_key(default):
     repos = _repos(default)
-    assert set(repos) == {f"sana/sana-{kind}" for kind in IMAGE_KINDS}
+    # The training images, and the third-party images a private cluster pulls from here (the DCGM
+    # exporter: the repository its pin names, lifecycle_scripts/agent_releases.py).
+    assert set(repos) == {f"sana/sana-{kind}" for kind in IMAGE_KINDS} | {f"sana/{image}" for image in MIRRORED_IMAGES}
+    assert f"sana/{DCGM_EXPORTER.repository}" in repos
     (key,) = default.resources("Storage", "AWS::KMS::Key")  # the platform key, in the same stack
     for res in repos.values():
         props = res["Properties"]
@@ -65,5 +69,6 @@ def test_execution_role_may_log_in_to_the_registry(default):
 
 
 def test_repository_uris_are_outputs_of_the_stack_that_keeps_them(default):
-    assert {"GpuImageRepositoryUri", "NeuronImageRepositoryUri"} <= set(default.templates["Storage"]["Outputs"])
+    assert {"GpuImageRepositoryUri", "NeuronImageRepositoryUri", "DcgmExporterRepositoryUri"} <= set(
+        default.templates["Storage"]["Outputs"])
     assert not default.resources("Cluster", "AWS::ECR::Repository")

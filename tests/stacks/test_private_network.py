@@ -4,7 +4,8 @@ The ``private`` variant (conftest.py: privateNetwork + slurmAccounting, stand-in
 synthesized once through the real app (cdk-nag runs; tests/stacks/test_compliance.py audits it).
 The endpoint list is checked against the code that runs on the nodes: stacks/endpoints.py
 ``services_used`` scans training/ and lifecycle_scripts/ for every boto3 client and ``aws <service>``
-command, and each must be served by an endpoint of the template (or the S3 gateway, or be one of
+command, and the node requirements for packages that call AWS themselves (the sagemaker-mlflow
+plugin), and each must be served by an endpoint of the template (or the S3 gateway, or be one of
 the documented off-cluster uses), so a new client without an endpoint fails here.
 """
 
@@ -33,13 +34,14 @@ FLOOR = {"sts", "ecr.api", "ecr.dkr", "logs", "ssm", "ssmmessages", "ec2messages
 
 
 def interface_services(synth) -> dict[str, dict]:
-    """Service (the part after com.amazonaws.<region>.) -> the endpoint's properties."""
+    """Service name without its region (Endpoint.id: ``ecr.api``, ``aws.sagemaker.experiments``) -> the
+    endpoint's properties."""
     out = {}
     for props in (r["Properties"] for r in synth.resources("Network", "AWS::EC2::VPCEndpoint").values()):
         parts = props["ServiceName"]["Fn::Join"][1]
-        assert parts[:2] == ["com.amazonaws.", {"Ref": "AWS::Region"}], parts
+        assert parts[0] in ("com.amazonaws.", "aws.sagemaker.") and parts[1] == {"Ref": "AWS::Region"}, parts
         service = parts[2].removeprefix(".")
-        out[service] = props
+        out[service if parts[0] == "com.amazonaws." else f"aws.sagemaker.{service}"] = props
     return out
 
 
@@ -65,13 +67,13 @@ def test_the_interface_endpoints_are_the_ones_the_code_and_agents_need(private):
     gateway = services.pop("s3")
     assert gateway["VpcEndpointType"] == "Gateway"
     config = PlatformConfig.from_context(private.context)
-    assert set(services) == {e.service for e in required_endpoints(config)}
-    assert set(services) >= FLOOR
+    assert set(services) == {e.id for e in required_endpoints(config)}
+    assert set(services) >= FLOOR | {"aps-workspaces", "aws.sagemaker.experiments"}
     # Every AWS service the node code calls is served by one of them (or S3's gateway, or is a
     # documented off-cluster use): a new client without an endpoint fails here.
     used = services_used()
     assert {"s3", "ecr", "ecr-registry"} <= set(used), used
-    in_template = [e for e in INTERFACE_ENDPOINTS if e.service in services]
+    in_template = [e for e in INTERFACE_ENDPOINTS if e.id in services]
     assert uncovered(used, in_template) == {}
     for name in OFF_CLUSTER_USES:
         assert name in used, f"{name} is listed as an off-cluster use but no node code calls it any more"
@@ -79,12 +81,29 @@ def test_the_interface_endpoints_are_the_ones_the_code_and_agents_need(private):
 
 def test_a_client_without_an_endpoint_is_found(tmp_path):
     (tmp_path / "job.py").write_text('import boto3\nq = boto3.session.Session().client("athena", region_name=r)\n')
-    (tmp_path / "step.sh").write_text('#!/bin/bash\naws dynamodb scan --table-name t\necho "aws keeps going"\n')
+    (tmp_path / "step.sh").write_text('#!/bin/bash\naws dynamodb scan --table-name t\necho "aws keeps going"\n'
+                                      'docker --config "$d" pull "$image"\n')
     (tmp_path / "pull.sh").write_text("docker pull public.ecr.aws/x/y:1\n")
+    # A package the envs install that calls AWS itself: found in a requirements file, not in code.
+    (tmp_path / "requirements-gpu.txt").write_text("# envs\nmlflow-skinny==3.17.2\nSageMaker_MLflow==0.5.0\n")
     used = services_used([tmp_path])
+    requirement = [f"{tmp_path}/requirements-gpu.txt:3"]
     assert used == {"athena": [f"{tmp_path}/job.py:2"], "dynamodb": [f"{tmp_path}/step.sh:2"],
-                    "ecr-registry": [f"{tmp_path}/pull.sh:1"]}
+                    "ecr-registry": [f"{tmp_path}/pull.sh:1", f"{tmp_path}/step.sh:4"],
+                    "sagemaker-mlflow": requirement, "sts": requirement, "sagemaker": requirement}
     assert set(uncovered(used, INTERFACE_ENDPOINTS)) == {"athena", "dynamodb"}
+
+
+def test_the_mlflow_plugin_of_the_node_envs_needs_the_mlflow_endpoint():
+    """The envs pin sagemaker-mlflow (training/requirements-*.txt): without the MLflow endpoint its
+    tracking calls have no way out of a private subnet, and the scan says where it comes from."""
+    without = [e for e in INTERFACE_ENDPOINTS if e.id != "aws.sagemaker.experiments"]
+    repo = Path(__file__).resolve().parents[2]
+    pins = [f"training/requirements-{kind}.txt:{number}" for kind in ("gpu", "neuron")
+            for number, line in enumerate((repo / f"training/requirements-{kind}.txt").read_text().splitlines(), 1)
+            if line.startswith("sagemaker-mlflow==")]
+    assert len(pins) == 2
+    assert uncovered(services_used(), without) == {"sagemaker-mlflow": pins}
 
 
 def test_each_endpoint_is_in_the_cluster_subnet_with_private_dns_behind_https_from_the_cluster_only(private):
@@ -120,11 +139,17 @@ def test_endpoint_policies_admit_this_accounts_identities_and_resources(private)
     account = {"Ref": "AWS::AccountId"}
     services = interface_services(private)
     for endpoint in required_endpoints(PlatformConfig.from_context(private.context)):
-        props = services[endpoint.service]
+        props = services[endpoint.id]
         if endpoint.policy == "none":  # ssmmessages, ec2messages: the service takes no endpoint policy
             assert "PolicyDocument" not in props, endpoint.service
             continue
         statements = _statements(props)
+        if endpoint.policy == "resources":  # SageMaker MLflow: AWS's example, this account's tracking servers
+            (only,) = statements.values()
+            assert only["Action"] == ["sagemaker-mlflow:*"] and only["Condition"] == {
+                "StringEquals": {"aws:PrincipalAccount": account}}, endpoint.id
+            assert json.dumps(only["Resource"]).endswith(':mlflow-tracking-server/*"]]}]'), only["Resource"]
+            continue
         perimeter = statements.pop("ThisAccountsIdentitiesToThisAccountsResources" if endpoint.policy == "perimeter"
                                    else "ThisAccountsIdentities")
         expected = {"aws:PrincipalAccount": account}
@@ -189,14 +214,54 @@ def test_serving_is_refused_on_a_private_network():
                                      "servingModelDataUrl": "s3://sana-artefacts-123456789012-us-east-1/serving/model-0123456789ab.tar.gz"})
 
 
-def test_secrets_manager_with_accounting_and_managed_prometheus_with_observability():
+def test_secrets_manager_with_accounting_managed_prometheus_with_observability_mlflow_with_its_server():
     def services(**keys) -> set[str]:
-        return {e.service for e in required_endpoints(SimpleNamespace(**{"slurmAccounting": False,
-                                                                          "observability": False, **keys}))}
+        return {e.id for e in required_endpoints(SimpleNamespace(**{
+            "slurmAccounting": False, "observability": False, "mlflowTrackingServer": False, **keys}))}
     base = services()
     assert "secretsmanager" not in base and "aps-workspaces" not in base
     assert services(slurmAccounting=True) - base == {"secretsmanager"}
     assert services(observability=True) - base == {"aps-workspaces"}
+    assert services(observability=True, mlflowTrackingServer=True) - base == {"aps-workspaces",
+                                                                             "aws.sagemaker.experiments"}
+
+
+def _marker_values(synth, stack: str) -> dict[str, object]:
+    """The values CDK put in place of the tokens of a BucketDeployment's JSON source (its SourceMarkers)."""
+    out = {}
+    for resource in synth.resources(stack, "Custom::CDKBucketDeployment").values():
+        for markers in resource["Properties"].get("SourceMarkers", []):
+            out.update(markers)
+    return out
+
+
+def test_the_collectors_remote_write_and_the_mlflow_plugin_reach_their_endpoints_private_dns(private):
+    """Private DNS makes a client's usual host name answer with the endpoint's addresses in the subnet:
+    the collector's remote-write URL is the workspace's PrometheusEndpoint (data plane host
+    aps-workspaces.<region>.amazonaws.com, AWS general reference "Amazon Managed Service for Prometheus
+    endpoints") + api/v1/remote_write, and the sagemaker-mlflow plugin, the one the envs pin, calls the
+    host the MLflow endpoint answers for."""
+    from sagemaker_mlflow.mlflow_sagemaker_helpers import get_tracking_server_url
+
+    services = interface_services(private)
+    by_id = {e.id: e for e in INTERFACE_ENDPOINTS}
+    for service in ("aps-workspaces", "aws.sagemaker.experiments"):
+        assert services[service]["PrivateDnsEnabled"] is True, service
+    (settings_file,) = private.outdir.glob("asset.*/platform-settings.json")
+    marker = re.search(r'"remote_write_url":(<<marker:0x[0-9a-f]+:\d+>>)', settings_file.read_text())[1]
+    url = _marker_values(private, "Cluster")[marker]  # the JSON string: quotes around the joined parts
+    (opening, imported, suffix) = url["Fn::Join"][1]
+    assert (opening, suffix) == ('"', 'api/v1/remote_write"')
+    export = imported["Fn::ImportValue"]
+    (output,) = [o for o in private.templates["Observability"]["Outputs"].values()
+                 if o.get("Export", {}).get("Name") == export]
+    workspace, attribute = output["Value"]["Fn::GetAtt"]
+    assert attribute == "PrometheusEndpoint"
+    assert private.templates["Observability"]["Resources"][workspace]["Type"] == "AWS::APS::Workspace"
+    documented = "https://aps-workspaces.eu-west-1.amazonaws.com/workspaces/ws-0123/"  # PrometheusEndpoint's form
+    assert documented.split("/")[2] == by_id["aps-workspaces"].private_dns.format(region="eu-west-1")
+    plugin = get_tracking_server_url("arn:aws:sagemaker:eu-west-1:123456789012:mlflow-tracking-server/sana-mlflow")
+    assert plugin.split("/")[2] == by_id["aws.sagemaker.experiments"].private_dns.format(region="eu-west-1")
 
 
 def test_every_endpoint_names_who_calls_it_and_a_source_that_exists():
