@@ -118,7 +118,7 @@ RELEASES: dict[str, Release] = {r.name: r for r in (
             sha256="b8b497c4610d1b93208252b60c8f20f6b2e78596ae8df43397a2e805aa53d475",
             sha256_source=_BOXCUTTER.format("prometheus")),
     # sckyzo/slurm_exporter has no v1.6.1 (its tags go v1.6.0, v1.7.0 ... v1.8.4); 1.8.3 is the last
-    # release its CHANGELOG.md records. No public source records this archive's sha256: the build
+    # release its changelog (https://github.com/SckyzO/slurm_exporter/blob/main/CHANGELOG.md) records. No public source records this archive's sha256: the build
     # step and public nodes check it against the release's slurm_exporter_checksums.txt
     # (.goreleaser.yaml checksum.name_template), and the build step's lock records it.
     Release(name="slurm_exporter", version="1.8.3", repository="SckyzO/slurm_exporter", layout="goreleaser",
