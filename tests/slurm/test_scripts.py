@@ -112,7 +112,7 @@ def test_an_export_step_runs_one_process_on_its_own_rendezvous_port(tmp_path):
     assert proc.returncode == 0, proc.stderr
     argv = (tmp_path / "argv").read_text().split()
     assert argv[:5] == ["-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--standalone"]
-    assert argv[argv.index("-m", 1):] == ["-m", "training.checkpoint.export", "/runs/x", "--out", "/m"]
+    assert argv[argv.index("-m", 1):] == ["-m", "training.export", "/runs/x", "--out", "/m"]
 
 
 def launcher_env(tmp_path: Path, **extra: str) -> dict[str, str]:

@@ -5,7 +5,7 @@ much caption trimming (training/data/text_trim.py) can save: 20-120-token captio
 trimmed step look better against a padded reference than any real data would. So the
 lengths come from real captions:
 
-- a feature directory (``training.data.precompute`` output, local or FSx): each sample's stored
+- a feature directory (``training.precompute`` output, local or FSx): each sample's stored
   caption rows, i.e. its Gemma-2 tokens after Sana's CHI prefix and selection (first token +
   last N-1 positions: the caption's own tokens plus two, at most N; training/data/text_features.py).
   They are read from the safetensors header of each tar member (8-byte length + JSON with
@@ -56,7 +56,7 @@ class CaptionLengths:
 def _header_size(payload_header: bytes, label: str) -> int:
     """Byte length of a safetensors JSON header (its first 8 bytes, little-endian)."""
     if len(payload_header) < 8:
-        raise UserError(f"{label}: truncated sample (no safetensors header); re-run training.data.precompute")
+        raise UserError(f"{label}: truncated sample (no safetensors header); re-run training.precompute")
     (size,) = struct.unpack("<Q", payload_header[:8])
     return size
 
@@ -84,7 +84,7 @@ def stored_lengths(features: str | Path, *, max_samples: int = DEFAULT_MAX_SAMPL
                         return out
         except (OSError, tarfile.TarError, KeyError, ValueError) as exc:
             raise UserError(f"{path}: cannot read caption lengths ({exc}); check the shard or re-run "
-                            "training.data.precompute") from None
+                            "training.precompute") from None
     if not out:
         raise UserError(f"{features}: no samples; point --caption-lengths at a precomputed feature directory")
     return out
@@ -128,8 +128,8 @@ def clipped(lengths: Sequence[int], max_tokens: int) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m training.data.caption_lengths",
                                 description="Save the stored caption lengths of a feature directory as JSON "
-                                            "(for training.perf.bench --caption-lengths on a machine without the data).")
-    p.add_argument("features", help="feature directory written by training.data.precompute")
+                                            "(for training.bench --caption-lengths on a machine without the data).")
+    p.add_argument("features", help="feature directory written by training.precompute")
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("--max-samples", type=int, default=DEFAULT_MAX_SAMPLES)
     args = p.parse_args(argv)

@@ -75,7 +75,7 @@ def recorded_settings(index: Mapping[str, Any] | None, markers: Mapping[str, Map
     known: dict[str, Any] = {}
     if index:
         created = index.get("created_by") or {}
-        if created.get("tool") == "training.data.precompute":
+        if created.get("tool") == "training.precompute":
             for key in ("resolution", "buckets", "max_upscale", "dtype"):
                 if key in created:
                     known[key] = created[key]

@@ -100,7 +100,7 @@ class FeatureIndex:
                 text = s3.get_bytes(url.join(INDEX), s3=s3.client(endpoint_url)).decode()
             except UserError as exc:
                 raise UserError(f"{source}: cannot read {INDEX} ({exc}); run python -m "
-                                "training.data.precompute --out to that prefix or fix data.path") from None
+                                "training.precompute --out to that prefix or fix data.path") from None
         else:
             path = Path(source) / INDEX
             if not path.is_file():

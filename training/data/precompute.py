@@ -485,7 +485,7 @@ def _merge(cfg: PrecomputeConfig, out: Output, units: Sequence[Unit], models: Mo
     for m in markers:
         for reason, n in m.get("skipped_reasons", {}).items():
             reasons[reason] = reasons.get(reason, 0) + n
-    created_by = {"tool": "training.data.precompute", "input": cfg.input, "vae": cfg.vae,
+    created_by = {"tool": "training.precompute", "input": cfg.input, "vae": cfg.vae,
                   "text_encoder": cfg.text_encoder, "tokenizer": cfg.tokenizer, "resolution": cfg.resolution,
                   "buckets": cfg.buckets, "max_upscale": cfg.max_upscale, "caption_text": cfg.caption_text,
                   "complex_human_instruction": list(models.chi) if models.chi else None,

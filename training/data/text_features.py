@@ -202,7 +202,7 @@ class TextConditioning:
 
 def expected_conditioning(pretrained_dir: str | Path | None) -> TextConditioning:
     """What a pretrained transformer expects: its directory's ``text_conditioning.json``
-    (training.checkpoint.export writes it), else Sana's CHI with N=300 - what NVlabs' released weights
+    (training.export writes it), else Sana's CHI with N=300 - what NVlabs' released weights
     (Efficient-Large-Model/Sana_*_diffusers) were trained with (their configs above)."""
     if pretrained_dir is not None and (Path(pretrained_dir) / CONDITIONING_FILE).is_file():
         return TextConditioning.from_dict(json.loads((Path(pretrained_dir) / CONDITIONING_FILE).read_text()))
@@ -297,7 +297,7 @@ def export_conditioning(transformer_dir: Path) -> TextConditioning:
     prompts must be encoded, as the training captions were."""
     path = transformer_dir / CONDITIONING_FILE
     if not path.is_file():
-        raise UserError(f"--transformer {transformer_dir}: no {CONDITIONING_FILE} (not a training.checkpoint.export "
+        raise UserError(f"--transformer {transformer_dir}: no {CONDITIONING_FILE} (not a training.export "
                         "directory?); prompts must be encoded as the training captions were")
     conditioning = TextConditioning.from_dict(json.loads(path.read_text()))
     if not conditioning.known or not conditioning.max_text_tokens:

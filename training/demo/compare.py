@@ -48,7 +48,7 @@ def run_demo_comparison(out_dir: str | Path, *, features: str | Path, dataset_sa
     if xla_python.exists():
         trn = out / "bench-trainium-xla-cpu.json"
         env = {**os.environ, "PJRT_DEVICE": "CPU"}
-        proc = subprocess.run([str(xla_python), "-m", "training.perf.bench", "--backend", "trainium", *common,
+        proc = subprocess.run([str(xla_python), "-m", "training.bench", "--backend", "trainium", *common,
                                "--warmup", "2", "--out", str(trn)], env=env, text=True, capture_output=True,
                               cwd=REPO)
         if proc.returncode != 0:

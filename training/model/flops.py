@@ -1,7 +1,7 @@
 """Analytic FLOP model of diffusers' ``SanaTransformer2DModel`` and accelerator peaks, for MFU.
 
 MFU = achieved model FLOP/s / peak FLOP/s. Both halves live here so the loop's logging and
-``training.perf.bench`` report the same number.
+``training.bench`` report the same number.
 
 The FLOP model counts what ``torch.utils.flop_counter.FlopCounterMode`` counts: matrix
 multiplies, convolutions and attention (2 FLOPs per multiply-accumulate). Element-wise work

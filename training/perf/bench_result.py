@@ -1,4 +1,4 @@
-"""The bench result: one JSON file per ``python -m training.bench`` run, read by ``training.report.build``.
+"""The bench result: one JSON file per ``python -m training.bench`` run, read by ``training.report``.
 
 The schema is this dataclass: every field has a comment saying what it holds and in which
 unit. ``BenchResult.load`` validates a file completely (types, ranges, and the identities

@@ -2,7 +2,7 @@
 
     python -m training.perf.gpu_check OUT_DIR [--dry-run]
 
-Reads ``OUT_DIR/<run>.json`` (``training.perf.bench`` results, validated by ``BenchResult.load``)
+Reads ``OUT_DIR/<run>.json`` (``training.bench`` results, validated by ``BenchResult.load``)
 of the three runs gpu-check.sh makes and prints one table, exit status 1 when any target is
 missed (or a run is missing), 0 when every target passed:
 

@@ -4,7 +4,7 @@ Writes ``<report>/report.md`` from the finished stages it reads (their run.json 
 the recipe's wishes): the lineage (every stage's key, jobs, package, env and output digests),
 the features, the training run (steps, loss, the last validation grid when the run rendered
 one), the exported model, and, when the chain ran a bench, the GPU vs Trainium
-cost-performance section of ``training.report.build`` for that result (``cost/report.md``). The
+cost-performance section of ``training.report`` for that result (``cost/report.md``). The
 directory is written under a temp name and renamed, so a failed report leaves none; the
 record step then adds ``lineage.json``. Submitted by ``python -m training.pipeline submit``
 as report.sbatch (training/slurm/).
@@ -48,7 +48,7 @@ def _lineage_rows(stages: list[dict[str, Any]]) -> list[str]:
 
 
 def cost_lines(bench: dict[str, Any], out: Path, *, samples: int, epochs: float) -> list[str]:
-    """The bench's numbers and training.report.build's cost-performance report of it in ``out``. The
+    """The bench's numbers and training.report's cost-performance report of it in ``out``. The
     cost part is optional: an instance type the price table lacks is a WARN line in the report
     and the log, never a failed report (the bench numbers stay)."""
     from training.report.build import build as cost_report

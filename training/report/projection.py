@@ -27,7 +27,7 @@ Formulas (tests/training/report/test_projection.py checks them by hand):
 
 MFU here counts useful FLOPs: with a mean real caption length the text terms count real
 tokens only (``flops.train_flops_per_sample(..., real_text_tokens=...)``); without one, every
-padded token counts, which is what ``training.perf.bench`` writes into its JSON today. A measured
+padded token counts, which is what ``training.bench`` writes into its JSON today. A measured
 run is placed at the MFU its own samples/s gives under the chart's FLOP count, so with the same
 count it sits exactly at its JSON ``mfu``.
 """

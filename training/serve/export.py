@@ -1,6 +1,6 @@
 """``python -m training.serve.export --transformer DIR --vae DIR --out DIR``: the serving export.
 
-Serving needs the whole pipeline, not only the transformer ``training.checkpoint.export`` writes: the
+Serving needs the whole pipeline, not only the transformer ``training.export`` writes: the
 Gemma-2 text encoder and tokenizer the captions were encoded with, the DC-AE the latents came
 from, and the flow-matching sampler. This writes them as ONE diffusers ``SanaPipeline``
 directory (``SanaPipeline.save_pretrained``: ``model_index.json``, ``transformer/``,
@@ -70,7 +70,7 @@ def build_serving_export(*, transformer: Path, vae: Path, out: Path, text_encode
                          tokenizer: str | None = None, sizes: Sequence[Size] | None = None,
                          flow_shift: float = 3.0, dtype: str = "bf16", limits: Limits | None = None,
                          overwrite: bool = False, allow_conditioning_mismatch: bool = False) -> Path:
-    """Write the serving export for ``transformer`` (a training.checkpoint.export directory) to ``out``."""
+    """Write the serving export for ``transformer`` (a training.export directory) to ``out``."""
     from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
     from transformers import AutoTokenizer, Gemma2Model
 
@@ -151,7 +151,7 @@ def flow_shift_of(transformer: Path) -> float | None:
 @exits_cleanly
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m training.serve.export", description=__doc__.splitlines()[0])
-    p.add_argument("--transformer", required=True, help="training.checkpoint.export directory (SanaTransformer2DModel)")
+    p.add_argument("--transformer", required=True, help="training.export directory (SanaTransformer2DModel)")
     p.add_argument("--vae", required=True, help="AutoencoderDC directory the training latents were encoded with")
     p.add_argument("--text-encoder", help="Gemma-2 directory (default: the one precompute recorded)")
     p.add_argument("--tokenizer", help="tokenizer directory (default: the one precompute recorded)")

@@ -1,7 +1,7 @@
 """A tiny serving export built offline in about a second: the serve tests, the demo fallback and
 ``serve-smoke`` (training/serve/smoke.py) compile and serve this.
 
-The transformer is the ``tiny`` preset (training/model/build.py), saved as ``training.checkpoint.export`` saves
+The transformer is the ``tiny`` preset (training/model/build.py), saved as ``training.export`` saves
 one (a diffusers directory plus ``text_conditioning.json`` recording Sana's complex human
 instruction, N and the fingerprints of the tiny tokenizer and Gemma-2 it pairs with); the
 VAE, text encoder and tokenizer are training/model/tiny.py's. Sizes: 64x64 (the tiny
@@ -22,7 +22,7 @@ TINY_TEXT_TOKENS = 16
 
 def tiny_transformer_export(out: Path, *, tokenizer: Path, text_encoder: Path, seed: int = 0,
                             max_text_tokens: int = TINY_TEXT_TOKENS) -> Path:
-    """A training.checkpoint.export-shaped directory for a randomly initialised tiny transformer."""
+    """A training.export-shaped directory for a randomly initialised tiny transformer."""
     import torch
     from diffusers import SanaTransformer2DModel
 

@@ -422,9 +422,9 @@ entry_module() {
   case $1 in
     gpu) echo training.gpu ;;
     trainium | precompile) echo training.trainium ;;
-    precompute) echo training.data.precompute ;;
-    bench) echo training.perf.bench ;;
-    export) echo training.checkpoint.export ;;
+    precompute) echo training.precompute ;;
+    bench) echo training.bench ;;
+    export) echo training.export ;;
     report) echo training.pipeline.report ;;
   esac
 }

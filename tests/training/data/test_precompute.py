@@ -201,7 +201,7 @@ def test_two_ranks_under_torchrun(models, tmp_path: Path):
     write_image_caption_folder(raw, num=9, seed=2)
     out = tmp_path / "features"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "training.data.precompute", *args(models, raw, out, "--samples-per-shard", "2", "--merge-timeout", "120")]
+           "-m", "training.precompute", *args(models, raw, out, "--samples-per-shard", "2", "--merge-timeout", "120")]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -124,7 +124,7 @@ def precompute_process(args: list[str], *, fsize: int | None = None, timeout: in
             resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.run([sys.executable, "-m", "training.data.precompute", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "training.precompute", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout, preexec_fn=limit)
 
 

@@ -223,7 +223,7 @@ def test_configuration_mistakes_are_one_line(features, tmp_path):
     assert chosen.prompts == [PROMPTS[2], PROMPTS[0]] and chosen.chosen == [2, 0]
     write_synthetic_features(tmp_path / "synthetic", num_samples=4, latent_shape=(4, 32, 32), text_dim=8)
     with pytest.raises(UserError, match="holds no precomputed validation prompts; re-run python -m "
-                                        "training.data.precompute --merge-only"):
+                                        "training.precompute --merge-only"):
         loaded(tmp_path / "synthetic", out=tmp_path)
     with pytest.raises(UserError, match="validation.vae: cannot load AutoencoderDC from /nope"):
         loaded(features, out=tmp_path, vae="/nope")
