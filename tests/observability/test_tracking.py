@@ -37,7 +37,8 @@ def validation_features(tmp_path_factory) -> Path:
     precompute(["--input", str(base / "raw"), "--out", str(base / "features"), "--vae", str(models["vae"]),
                 "--text-encoder", str(models["text_encoder"]), "--tokenizer", str(models["tokenizer"]),
                 "--resolution", str(TINY_RESOLUTION), "--max-text-tokens", "16", "--device", "cpu",
-                "--dtype", "fp32", "--validation-prompts", str(base / "prompts.txt")])
+                "--dtype", "fp32", "--validation-prompts", str(base / "prompts.txt"),
+                "--buckets", "square"])  # one 32 px square: validation renders multiples of 32
     return base / "features"
 
 

@@ -234,7 +234,10 @@ class Validation:
         c, h, w = index.latent_shape
         self.size = (cfg.size, cfg.size) if cfg.size else (h * scale, w * scale)
         if self.size[0] % scale or self.size[0] % 32 or self.size[1] % 32:
-            raise UserError(f"validation.size: {cfg.size} must be a multiple of 32 and of the VAE's {scale}x")
+            if cfg.size:
+                raise UserError(f"validation.size: {cfg.size} must be a multiple of 32 and of the VAE's {scale}x")
+            raise UserError(f"validation.size: 0 renders at the features' main bucket, {self.size[0]}x{self.size[1]} px, "
+                            f"which is not a multiple of 32; set validation.size to a multiple of 32 and of {scale}")
         noise = torch.Generator().manual_seed(cfg.seed)
         self.noise = torch.randn(len(self.chosen), c, self.size[0] // scale, self.size[1] // scale, generator=noise)
         self.dir.mkdir(parents=True, exist_ok=True)
