@@ -20,7 +20,7 @@ CONTEXT  ?=
 CDK_ARGS ?=
 PROJECT  ?= $(shell python3 -c 'import json; print(json.load(open("cdk.json"))["context"]["projectName"])')
 
-.PHONY: help setup setup-deploy setup-xla setup-mlflow synth audit deploy teardown teardown-all demo test test-platform test-xla lint clean image push-image serve-smoke wheelhouse agent-releases mirror-dcgm-image
+.PHONY: help setup setup-deploy setup-xla setup-mlflow synth audit deploy teardown teardown-all demo test test-training test-rest test-platform test-xla lint clean image push-image serve-smoke wheelhouse agent-releases mirror-dcgm-image
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -119,10 +119,24 @@ teardown-all: teardown ## then the storage and network stacks (and observability
 demo: setup audit setup-xla ## the main job locally: audit, then precompute + train + resume + export + bench + report on CPU
 	$(PY) -m training.demo --out demo-output
 
-test: test-platform test-xla ## the whole test suite (what CI runs)
+# The whole suite as two pytest sessions side by side, one per core: the training package's
+# tests (torch on the CPU most of the time) and the rest (synth, lifecycle scripts, Slurm
+# daemons, the image build: mostly waiting on subprocesses) followed by the XLA suite.
+# --output-sync: each half's output is printed whole when it ends. Any failure fails `make test`.
+TEST_TRAINING := tests/training tests/observability tests/docs
+test: setup setup-xla setup-mlflow ## the whole test suite (what CI runs)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-training test-rest
 
-# setup-xla too: tests/slurm submits train-trainium.sbatch, which runs in .venv-xla;
-# setup-mlflow: tests/observability runs an MLflow server.
+test-training: setup setup-xla setup-mlflow
+	$(PY) -m pytest $(TEST_TRAINING)
+
+test-rest: setup setup-xla
+	$(PY) -m pytest tests --ignore=tests/xla $(addprefix --ignore=,$(TEST_TRAINING))
+	$(XLA_PY) -m pytest tests/xla
+
+# Everything but tests/xla in one session (setup-xla too: tests/slurm submits
+# train-trainium.sbatch, which runs in .venv-xla; setup-mlflow: tests/observability runs an
+# MLflow server).
 test-platform: setup setup-xla setup-mlflow
 	$(PY) -m pytest tests --ignore=tests/xla
 

@@ -264,13 +264,16 @@ class SlurmCluster:
                        "-j", ",".join(map(str, job_ids)))
         rows = [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines() if line]
         # NOTE: slurmdbd keys a job record by (job id, submit time), so one id can have more
-        # than one record (seen once here: an extra root 'allocation' record under the id of a
-        # test job). The job this controller just ran is the newest submission of that id.
-        newest: dict[int, dict[str, str]] = {}
-        for row in sorted(rows, key=lambda r: r["Submit"]):
-            newest[int(row.pop("JobID"))] = row
+        # than one row. Seen twice here under load: besides the job's own row, a root row named
+        # 'allocation' under the same id: the name slurmdbd gives a job record that arrived
+        # without a name (Slurm src/plugins/accounting_storage/mysql/as_mysql_job.c, `jname = xstrdup("allocation")`), newer or older than
+        # the real one. The job this controller ran is the row that carries a name; among
+        # several named rows (an id reused), the newest submission.
+        chosen: dict[int, dict[str, str]] = {}
+        for row in sorted(rows, key=lambda r: (r["JobName"] != "allocation", r["Submit"])):
+            chosen[int(row.pop("JobID"))] = row
             row.pop("Submit")
-        return newest
+        return chosen
 
     def logs(self) -> str:
         parts = []
