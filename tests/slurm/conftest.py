@@ -265,10 +265,11 @@ class SlurmCluster:
         rows = [dict(zip(fields, line.split("|"), strict=True)) for line in out.splitlines() if line]
         # NOTE: slurmdbd keys a job record by (job id, submit time), so one id can have more
         # than one row. Seen twice here under load: besides the job's own row, a root row named
-        # 'allocation' under the same id: the name slurmdbd gives a job record that arrived
-        # without a name (Slurm src/plugins/accounting_storage/mysql/as_mysql_job.c, `jname = xstrdup("allocation")`), newer or older than
-        # the real one. The job this controller ran is the row that carries a name; among
-        # several named rows (an id reused), the newest submission.
+        # 'allocation' under the same id, newer or older than the real one: the name slurmdbd
+        # gives a job record that reached it without a name (Slurm's
+        # src/plugins/accounting_storage/mysql/as_mysql_job.c, `jname = xstrdup("allocation")`).
+        # The job this controller ran is the row that carries a name; among several named rows
+        # (an id reused), the newest submission.
         chosen: dict[int, dict[str, str]] = {}
         for row in sorted(rows, key=lambda r: (r["JobName"] != "allocation", r["Submit"])):
             chosen[int(row.pop("JobID"))] = row
