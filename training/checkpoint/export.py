@@ -39,6 +39,7 @@ from training.checkpoint.resume import resolve_checkpoint
 from training.data.text_features import CONDITIONING_FILE, TextConditioning
 from training.errors import UserError, exits_cleanly
 from training.files import honour_umask
+from training.files.publish import replace_dir
 from training.model.dtypes import DTYPES
 
 PROVENANCE = "training_provenance.json"
@@ -106,11 +107,7 @@ def export(ckpt: Path, out: Path, *, ema: bool = False, dtype: str = "fp32", ove
     }, indent=1))
     (tmp / CONDITIONING_FILE).write_text(json.dumps(conditioning.to_dict(), indent=1))
     honour_umask(tmp)  # save_pretrained's safetensors file is 0600 otherwise (training/files)
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
-    return out
+    return replace_dir(tmp, out)
 
 
 @exits_cleanly

@@ -22,6 +22,7 @@ from training.checkpoint.layout import MANIFEST, STATE_FILE
 from training.data.text_features import CONDITIONING_FILE, TextConditioning
 from training.errors import UserError
 from training.files import honour_umask
+from training.files.publish import replace_dir
 from training.model.build import ModelConfig, build_model
 from training.model.dtypes import DTYPES
 from training.model.lora import (
@@ -131,11 +132,7 @@ def export_lora(
     for where in [tmp, tmp / MERGED_DIR] if merge else [tmp]:  # the merged dir can seed a later fine-tune
         (where / CONDITIONING_FILE).write_text(json.dumps(conditioning.to_dict(), indent=1))
     honour_umask(tmp)  # safetensors writes 0600 whatever the umask (training/files)
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
-    return out
+    return replace_dir(tmp, out)
 
 
 def _save_plain(

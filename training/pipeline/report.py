@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from training.errors import UserError, exits_cleanly
+from training.files.publish import replace_dir
 from training.pipeline.keys import SHORT
 from training.pipeline.records import finished_run, read_json
 
@@ -105,9 +106,7 @@ def build(spec: dict[str, Any], out: Path) -> Path:
         lines += cost_lines(inputs["bench"]["outputs"], tmp / "cost", samples=pre["outputs"]["samples"],
                             epochs=float(spec["section"].get("epochs", 1.0)))
     (tmp / "report.md").write_text("\n".join(lines) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    replace_dir(tmp, out)
     return out / "report.md"
 
 

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from training.errors import UserError, exits_cleanly
+from training.files.publish import replace_dir
 from training.serve.components import (
     DTYPES,
     DecoderGraph,
@@ -248,11 +249,7 @@ def compile_export(export: Path, out: Path, *, target: str, sizes: Sequence[Size
         "versions": versions(spec_), "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
-    return out
+    return replace_dir(tmp, out)
 
 
 @exits_cleanly

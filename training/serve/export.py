@@ -40,6 +40,7 @@ from training.data.text_features import (
     recorded_component_dir,
 )
 from training.errors import UserError, exits_cleanly
+from training.files.publish import replace_dir
 from training.serve.spec import Limits, ServingSpec, Size, parse_sizes
 
 PROVENANCE_FILE = "serving_provenance.json"
@@ -118,11 +119,7 @@ def build_serving_export(*, transformer: Path, vae: Path, out: Path, text_encode
         "text_encoder": str(encoder_dir.resolve()), "tokenizer": str(tokenizer_dir.resolve()),
         "training_provenance": _read_json(transformer / "training_provenance.json"),
     }, indent=1) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out)
-    return out
+    return replace_dir(tmp, out)
 
 
 def _read_json(path: Path) -> Any:
