@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from stacks.wheelhouse import ROOT
+from stacks.wheelhouse import ROOT, load_lifecycle_module
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = "agents.json"
@@ -45,17 +44,7 @@ KIND = "agents"
 TIMEOUT_S = 60
 
 
-def _pins_module():
-    """lifecycle_scripts/agent_releases.py: ONE table of pins and ONE lock format, shared with the nodes."""
-    spec = importlib.util.spec_from_file_location("sana_agent_releases", REPO / "lifecycle_scripts" / "agent_releases.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building the class
-    spec.loader.exec_module(module)
-    return module
-
-
-pins = _pins_module()
+pins = load_lifecycle_module("agent_releases.py", "sana_agent_releases")
 Release, RELEASES, DCGM_EXPORTER, LOCK = pins.Release, pins.RELEASES, pins.DCGM_EXPORTER, pins.LOCK
 AgentReleaseError = pins.AgentReleaseError
 

@@ -47,6 +47,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from stacks.config import NEURON_PIP_INDEX
 
@@ -67,9 +68,10 @@ INDEXES: dict[str, tuple[str, ...]] = {"gpu": (), "neuron": (NEURON_PIP_INDEX,)}
 UPLOAD_PART_BYTES = 4 << 30
 
 
-def _lock_module():
-    """lifecycle_scripts/wheelhouse.py: ONE implementation of the lock format, shared with the nodes."""
-    spec = importlib.util.spec_from_file_location("sana_wheelhouse_lock", REPO / "lifecycle_scripts" / "wheelhouse.py")
+def load_lifecycle_module(filename: str, name: str) -> ModuleType:
+    """A module of lifecycle_scripts/ (run on the nodes, outside any package) loaded by path:
+    the deploy host and the nodes share ONE implementation of a lock format or pin table."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "lifecycle_scripts" / filename)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while building the class
@@ -77,7 +79,7 @@ def _lock_module():
     return module
 
 
-lock = _lock_module()
+lock = load_lifecycle_module("wheelhouse.py", "sana_wheelhouse_lock")
 LOCK, MANIFEST, LockError = lock.LOCK, lock.MANIFEST, lock.LockError
 
 
