@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import sys
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ import yaml
 from stacks.config import ConfigError, PlatformConfig, check_known_keys
 from stacks.endpoints import required_endpoints
 from training.errors import UserError
-from training.report.prices import DEFAULT_PRICES, PriceTable, _entry, _is_date
+from training.report.prices import DEFAULT_PRICES, PriceTable, parse_price, price_provenance
 
 HOURS_PER_MONTH = 730
 UNITS = ("hour", "month", "GB-month", "GB", "100k-events", "10M-samples", "user-month")
@@ -109,16 +108,7 @@ def _platform_entry(path: Path, name: str, entry: Any) -> UnitPrice:
         raise UserError(f"{where}.usd: must be a number > 0, got {usd!r}")
     if entry.get("per") not in UNITS:
         raise UserError(f"{where}.per: {entry.get('per')!r} is not one of {', '.join(UNITS)}")
-    if not isinstance(entry.get("source"), str) or not entry["source"]:
-        raise UserError(f"{where}.source: missing; say where the price comes from")
-    if not isinstance(entry.get("verified"), bool):
-        raise UserError(f"{where}.verified: must be true or false")
-    checked = entry.get("checked")
-    if checked is None and not entry["verified"]:
-        checked = ""  # an unverified figure nobody could date
-    elif not isinstance(checked, str | datetime.date) or not _is_date(str(checked)):
-        raise UserError(f"{where}.checked: give the date the source shows for the figure as YYYY-MM-DD"
-                        + (" (a verified figure needs one)" if entry["verified"] else " or null"))
+    checked = price_provenance(entry, where)
     return UnitPrice(name=name, usd=float(usd), per=entry["per"], source=entry["source"],
                      verified=entry["verified"], checked=str(checked), note=str(entry.get("note", "")))
 
@@ -141,7 +131,7 @@ def serving_price(table: PriceTable, instance_type: str) -> float:
     entry = (data.get("serving") or {}).get(instance_type)
     if entry is None:
         raise UserError(f"no serving.{instance_type} in {table.path}; add its endpoint price there")
-    return _entry(Path(table.path), "serving", instance_type, entry, table.region).usd_per_hour
+    return parse_price(Path(table.path), "serving", instance_type, entry, table.region).usd_per_hour
 
 
 def _price(prices: dict[str, UnitPrice], name: str, per: str) -> UnitPrice:

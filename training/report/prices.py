@@ -92,8 +92,8 @@ class PriceTable:
                 raise UserError(f"--prices {path}: key {key}: missing or not a string")
         if not isinstance(data.get("ec2", {}), dict):
             raise UserError(f"--prices {path}: key ec2: expected a mapping of EC2 instance type -> price entry")
-        prices = {str(n): _entry(path, "prices", str(n), e, data["region"]) for n, e in data["prices"].items()}
-        ec2 = {str(n): _entry(path, "ec2", str(n), e, data["region"]) for n, e in (data.get("ec2") or {}).items()}
+        prices = {str(n): parse_price(path, "prices", str(n), e, data["region"]) for n, e in data["prices"].items()}
+        ec2 = {str(n): parse_price(path, "ec2", str(n), e, data["region"]) for n, e in (data.get("ec2") or {}).items()}
         return cls(path=path, as_of=str(data["as_of"]), currency=data["currency"], region=data["region"],
                    prices=prices, ec2=ec2)
 
@@ -113,23 +113,14 @@ class PriceTable:
         return [self.prices[n] for n in sorted(set(names)) if n in self.prices and self.prices[n].is_stale(today)]
 
 
-def _entry(path: Path, section: str, name: str, entry: Any, region: str) -> Price:
+def parse_price(path: Path, section: str, name: str, entry: Any, region: str) -> Price:
     where = f"--prices {path}: key {section}.{name}"
     if not isinstance(entry, dict):
         raise UserError(f"{where}: expected a mapping with usd_per_hour, source, checked, verified")
     usd = entry.get("usd_per_hour")
     if isinstance(usd, bool) or not isinstance(usd, int | float) or not usd > 0:
         raise UserError(f"{where}.usd_per_hour: must be a number > 0, got {usd!r}")
-    if not isinstance(entry.get("source"), str) or not entry["source"]:
-        raise UserError(f"{where}.source: missing; say where the price comes from")
-    if not isinstance(entry.get("verified"), bool):
-        raise UserError(f"{where}.verified: must be true or false")
-    checked = entry.get("checked")
-    if checked is None and not entry["verified"]:
-        checked = ""  # an unverified figure nobody could date: stale by definition
-    elif not isinstance(checked, str | datetime.date) or not _is_date(str(checked)):
-        raise UserError(f"{where}.checked: give the date the figure was read from its source as YYYY-MM-DD"
-                        + ("" if not entry["verified"] else " (a verified figure needs one)"))
+    checked = price_provenance(entry, where)
     default_service = "ec2" if section == "ec2" else ("hyperpod" if name.startswith("ml.") else "other")
     service = entry.get("service", default_service)
     if service not in SERVICES or (section == "ec2") != (service == "ec2"):
@@ -141,6 +132,23 @@ def _entry(path: Path, section: str, name: str, entry: Any, region: str) -> Pric
     return Price(instance_type=name, usd_per_hour=float(usd), source=entry["source"], checked=str(checked),
                  verified=entry["verified"], service=service, region=entry.get("region") or region,
                  note=entry.get("note", ""))
+
+
+def price_provenance(entry: Mapping[str, Any], where: str) -> str:
+    """Check a price entry's ``source``, ``verified`` and ``checked`` (the same rules for every
+    price table: instances, serving, platform services) and return ``checked`` as text: the
+    date the source shows, or "" for an unverified figure nobody could date (stale by definition)."""
+    if not isinstance(entry.get("source"), str) or not entry["source"]:
+        raise UserError(f"{where}.source: missing; say where the price comes from")
+    if not isinstance(entry.get("verified"), bool):
+        raise UserError(f"{where}.verified: must be true or false")
+    checked = entry.get("checked")
+    if checked is None and not entry["verified"]:
+        return ""
+    if not isinstance(checked, str | datetime.date) or not _is_date(str(checked)):
+        raise UserError(f"{where}.checked: give the date the source shows for the figure as YYYY-MM-DD"
+                        + (" (a verified figure needs one)" if entry["verified"] else " or null"))
+    return str(checked)
 
 
 def _is_date(text: str) -> bool:

@@ -84,7 +84,7 @@ def serving_prices(paths: Sequence[str | Path]) -> dict[str, Any]:
     import yaml
 
     from training.errors import UserError
-    from training.report.prices import _entry  # one validation for every price entry
+    from training.report.prices import parse_price  # one validation for every price entry
 
     out: dict[str, Any] = {}
     for path in map(Path, paths):
@@ -96,7 +96,7 @@ def serving_prices(paths: Sequence[str | Path]) -> dict[str, Any]:
         if not isinstance(section, dict):
             raise UserError(f"--prices {path}: key serving: expected a mapping of instance type -> price entry")
         for name, entry in section.items():
-            out[str(name)] = _entry(path, "serving", str(name), entry, str(data.get("region", "")))
+            out[str(name)] = parse_price(path, "serving", str(name), entry, str(data.get("region", "")))
     return out
 
 
