@@ -114,6 +114,7 @@ class PriceTable:
 
 
 def parse_price(path: Path, section: str, name: str, entry: Any, region: str) -> Price:
+    """One entry of a price table (``section.name`` in ``path``); a bad one raises UserError naming the key."""
     where = f"--prices {path}: key {section}.{name}"
     if not isinstance(entry, dict):
         raise UserError(f"{where}: expected a mapping with usd_per_hour, source, checked, verified")
