@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import http.client
 import random
+import socket
 import threading
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -35,6 +36,9 @@ _ERRORS = {
 
 class _QuietServer(ThreadingHTTPServer):
     daemon_threads = True
+    # socketserver's backlog of 5 would itself drop connections of a parallel multipart
+    # upload under load: the only faults here are the ones this proxy injects.
+    request_queue_size = socket.SOMAXCONN
 
     def handle_error(self, request, client_address) -> None:
         pass  # clients reset connections we dropped on purpose; nothing to report

@@ -31,6 +31,7 @@ import contextlib
 import http.server
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -155,14 +156,22 @@ def _handler_class(state: ServingState) -> type[http.server.BaseHTTPRequestHandl
     return Handler
 
 
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    # socketserver's listen backlog is 5 (Lib/socketserver.py, TCPServer.request_queue_size):
+    # a burst of more connections than the accept thread takes at once overflowed it, and the
+    # callers got no answer or a reset instead of the queue's 200 or 503 busy. The kernel caps
+    # this at net.core.somaxconn.
+    request_queue_size = socket.SOMAXCONN
+    daemon_threads = True
+
+
 class LocalServer:
     """The HTTP server and its model, started in threads; ``stop()`` ends both."""
 
     def __init__(self, model_dir: Path, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                  max_queue: int = DEFAULT_QUEUE) -> None:
         self.state = ServingState(model_dir, max_queue=max_queue)
-        self.httpd = http.server.ThreadingHTTPServer((host, port), _handler_class(self.state))
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer((host, port), _handler_class(self.state))
         self._threads: list[threading.Thread] = []
 
     @property

@@ -165,3 +165,24 @@ def test_an_oversized_body_is_refused_unread(server):
         while chunk := sock.recv(4096):  # the server closes the connection after its answer
             reply += chunk
     assert reply.startswith(b"HTTP/1.1 400") and b"request body is 999999999 bytes; the limit is 65536" in reply
+
+
+def test_a_burst_of_connections_waits_in_the_listen_queue_not_refused(tmp_path: Path):
+    """Connections arriving faster than the accept thread takes them wait in the kernel's
+    listen queue. socketserver's default backlog is 5 (Lib/socketserver.py, TCPServer
+    request_queue_size): the 7th simultaneous connection then got no answer to its SYN (and
+    under load a reset: seen in CI as 20 concurrent requests failing with ECONNRESET), where
+    the bounded request queue promises a 200 or a 503 busy."""
+    srv = LocalServer(tmp_path / "no-model", port=0)  # listening, but nothing accepts yet
+    host, port = srv.httpd.server_address[:2]
+    sockets = []
+    try:
+        for i in range(40):
+            try:
+                sockets.append(socket.create_connection((host, port), timeout=1))
+            except TimeoutError:
+                pytest.fail(f"connection {i + 1} of a 40-connection burst was not queued by the listen backlog")
+    finally:
+        for sock in sockets:
+            sock.close()
+        srv.httpd.server_close()
