@@ -10,7 +10,8 @@ PyTorch/Neuron inference DLCs then import ``code/inference.py`` and pip-install
     code/inference.py          re-exports model_fn/input_fn/predict_fn/output_fn
     code/requirements.txt      diffusers, transformers, ... pinned as training/requirements-gpu.txt
                                (no torch: the DLC's torch, or torch-neuronx's, is kept)
-    code/training/...          the handler's modules of training/serve/ and the two shared ones
+    code/training/...          the handler's modules of training/serve/ and the shared ones they
+                               import (CODE_MODULES; the build checks the set is closed)
     export/                    the serving export; with --compiled, without the weights of the
                                three compiled components (their graphs replace them)
     compiled/                  the graphs + manifest.json (--compiled)
@@ -24,6 +25,7 @@ immutable object, and rolling back is deploying the previous URL (runbooks/servi
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
 import hashlib
 import io
@@ -41,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: what code/ carries: the modules the handler (and the local server) import, and nothing of
 #: the build side (compile, package, bench, the report section, the smoke check, the demo)
 CODE_MODULES = ("training/__init__.py", "training/errors.py", "training/data/__init__.py",
-                "training/data/text_features.py",
+                "training/data/text_features.py", "training/files/__init__.py", "training/files/publish.py",
                 *(f"training/serve/{name}.py" for name in (
                     "__init__", "errors", "spec", "components", "manifest", "export", "runtime", "handler", "server")))
 #: serving's runtime packages; versions are read from training/requirements-gpu.txt (one pin each)
@@ -74,6 +76,26 @@ def serve_requirements(pins: Path = PIN_SOURCE) -> str:
     return header + "".join(f"{name}=={found[name]}\n" for name in SERVE_PACKAGES)
 
 
+def unresolved_imports(modules: Sequence[str] = CODE_MODULES, root: Path = REPO) -> list[str]:
+    """``"<module> imports <name>"`` for each ``training.*`` import (lazy ones included) that
+    ``modules`` cannot satisfy: code/ must run from the archive alone, where a missing module
+    is an ImportError at the endpoint's first request instead of a line at build time."""
+    present = {rel.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for rel in modules}
+    missing = []
+    for rel in modules:
+        for node in ast.walk(ast.parse((root / rel).read_text(), rel)):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                submodules = [f"{node.module}.{alias.name}" for alias in node.names]  # from pkg import module
+                names = [node.module, *(m for m in submodules if (root / f"{m.replace('.', '/')}.py").exists())]
+            else:
+                continue
+            missing += [f"{rel} imports {name}" for name in names
+                        if name.split(".")[0] == "training" and name not in present]
+    return missing
+
+
 def _members(export: Path, compiled: Path | None) -> Iterator[tuple[str, Path | bytes]]:
     """(archive name, file path or bytes) in archive order."""
     yield "code/inference.py", INFERENCE_PY.encode()
@@ -104,6 +126,9 @@ def _add(tar: tarfile.TarFile, name: str, source: Path | bytes) -> None:
 
 def build_archive(export: Path, out: Path, *, compiled: Path | None = None, compresslevel: int = 1) -> str:
     """Write ``out`` (model.tar.gz); returns its sha256. Checks the inputs fit together first."""
+    if missing := unresolved_imports():
+        raise RuntimeError(f"code/ would not import from the archive: {'; '.join(missing)}; add the module to "
+                           "CODE_MODULES in training/serve/package.py")
     export, out = Path(export), Path(out)
     source = recorded_sha256(export)
     if compiled is not None:

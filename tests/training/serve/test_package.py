@@ -17,7 +17,14 @@ from pathlib import Path
 import pytest
 
 from training.errors import UserError
-from training.serve.package import SERVE_PACKAGES, build_archive, serve_requirements, upload
+from training.serve.package import (
+    CODE_MODULES,
+    SERVE_PACKAGES,
+    build_archive,
+    serve_requirements,
+    unresolved_imports,
+    upload,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 DRIVER = Path(__file__).with_name("toolkit_driver.py")
@@ -51,6 +58,17 @@ def test_archive_layout_and_pins(archive):
            (REPO / "training" / "requirements-gpu.txt").read_text().splitlines() if "==" in line}
     assert list(pins) == list(SERVE_PACKAGES) and all(pins[k] == gpu[k] for k in pins)
     assert "torch" not in pins  # the DLC's torch (or torch-neuronx's) must stay
+
+
+def test_the_archive_code_imports_only_what_it_carries():
+    """A runtime module that starts importing a module code/ lacks fails the build in one
+    line, not the endpoint's first request (training/serve/export.py importing
+    training.files.publish did: a 500 under the toolkit)."""
+    assert unresolved_imports() == []
+    without = [m for m in CODE_MODULES if not m.startswith("training/files/")]
+    assert unresolved_imports(without) == ["training/serve/export.py imports training.files.publish"]
+    without = [m for m in CODE_MODULES if m != "training/serve/errors.py"]
+    assert "training/serve/handler.py imports training.serve.errors" in unresolved_imports(without)
 
 
 def test_the_same_inputs_give_the_same_bytes(archive, tiny_export: Path, compiled_cpu: Path, tmp_path: Path):
